@@ -1,0 +1,372 @@
+"""The event contract: every fact halfway records, as pydantic models.
+
+These models are the source of truth; `schemas/json/*.schema.json` is generated from them
+(`python -m halfway.contract.jsonschema`) and committed, so callers in any language can publish
+`task.requested`, subscribe to outcomes and replay the journal.
+
+Rules every event follows:
+- `type` names the event and discriminates the union `Event`;
+- `event_id` is unique per fact: a producer that retries a send re-sends the same event_id, so a
+  redelivered record is recognisable; a second actor writing "the same" fact writes a new id,
+  and the fold's first-in-log rule decides between them;
+- `task_id` is the partition key of every record on the journal, so one task's events are
+  totally ordered;
+- `at` is when the writer observed the fact (UTC); log order, not `at`, decides;
+- `schema_version` is 1 for everything here; a change that old readers cannot ignore bumps it.
+
+Unknown fields are refused (`extra="forbid"`): a typo in a hand-written event lands on the
+dead-letter topic with the reason, instead of being half-understood.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Annotated, Any, Literal, Self
+
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    TypeAdapter,
+    model_validator,
+)
+
+from halfway.contract.ids import (
+    KEY_PATTERN,
+    STEP_ID_PATTERN,
+    STEP_N_MAX,
+    TASK_ID_PATTERN,
+    mint_key,
+    mint_undo_key,
+    parse_step_id,
+)
+
+SCHEMA_VERSION = 1
+
+TaskId = Annotated[str, Field(pattern=TASK_ID_PATTERN, description="Named by the caller.")]
+StepId = Annotated[str, Field(pattern=STEP_ID_PATTERN, description="`{task_id}:{n}`")]
+Key = Annotated[
+    str, Field(pattern=KEY_PATTERN, description="Idempotency key, minted by the harness.")
+]
+JsonObject = dict[str, JsonValue]
+
+
+# ---------------------------------------------------------------------------------------------
+# Vocabulary (DESIGN.md): the words used in code, docs and messages.
+
+
+class Outcome(StrEnum):
+    """Three outcomes, never two."""
+
+    DONE = "done"  # it happened; evidence says so (charge id, message id, booking ref)
+    NOT_DONE = "not_done"  # it did not happen; proof says so (a refusal, or never sent)
+    UNKNOWN = "unknown"  # it may have happened: timeout, reset after sending, 5xx, 409, 429, crash
+
+
+class EffectClass(StrEnum):
+    READ = "read"  # no effect: bounded retries, never unknown
+    IDEMPOTENT = "idempotent"  # naturally safe to repeat
+    KEYED = "keyed"  # the provider dedupes by our key for the key's lifetime
+    UNKEYED = "unkeyed"  # no key: at most once, never blindly retried
+
+
+class SagaRole(StrEnum):
+    COMPENSABLE = "compensable"  # declares its undo before it runs
+    PIVOT = "pivot"  # irreversible; at most one per saga
+    RETRIABLE = "retriable"  # after the pivot; must eventually succeed
+
+
+class SettlementSource(StrEnum):
+    CALL = "call"  # the reply (or its absence) to our own request
+    LOOKUP = "lookup"  # we asked the provider what happened
+    WEBHOOK = "webhook"  # the provider told us, signature verified
+    OPERATOR = "operator"  # a person resolved it
+
+
+class OnUnknown(StrEnum):
+    WAIT = "wait"  # the task does not move on until the step is settled (default)
+    COMPENSATE = "compensate"  # a saga gives up: undo what is proven done, once it is known
+
+
+class FinalState(StrEnum):
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    COMPENSATED = "compensated"
+    NEEDS_ATTENTION = "needs_attention"
+
+
+# ---------------------------------------------------------------------------------------------
+# Parts carried inside events.
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TaskPolicy(_Part):
+    saga: bool = Field(False, description="Run the task's steps as a saga (undo on failure).")
+    max_steps: int = Field(20, ge=1, le=STEP_N_MAX)
+    deadline: AwareDatetime | None = Field(None, description="After it, no new step is decided.")
+    on_unknown: OnUnknown = OnUnknown.WAIT
+
+
+class CompensationPlan(_Part):
+    """How to undo a step, declared before the step runs. Args may refer to the step's result."""
+
+    tool: str = Field(min_length=1)
+    args: JsonObject = Field(default_factory=dict)
+
+
+class DecidedBy(_Part):
+    """Which model decided a step: the journal says who chose, not just what."""
+
+    model: str = Field(min_length=1)
+    version: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Events.
+
+
+def new_event_id() -> str:
+    return uuid.uuid4().hex
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _type_is_required(schema: dict[str, Any]) -> None:
+    # `type` has a default so Python code need not repeat it, but on the wire it is required:
+    # it is what tells a reader which event it holds.
+    schema["required"] = ["type", *[r for r in schema.get("required", []) if r != "type"]]
+
+
+class _Event(BaseModel):
+    """The envelope. `event_id` and `at` have no defaults on purpose: the writer stamps them
+    once, before the first send, so a retried send and a replay see the same values (a pure
+    core never reads the clock or draws ids itself)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=_type_is_required)
+
+    event_id: str = Field(min_length=1, max_length=64)
+    task_id: TaskId
+    at: AwareDatetime
+    schema_version: Literal[1] = SCHEMA_VERSION
+
+
+class _StepEvent(_Event):
+    step_id: StepId
+
+    @model_validator(mode="after")
+    def _step_belongs_to_task(self) -> Self:
+        task_id, _ = parse_step_id(self.step_id)
+        if task_id != self.task_id:
+            raise ValueError(f"step {self.step_id} does not belong to task {self.task_id}")
+        return self
+
+
+class TaskRequested(_Event):
+    """A caller asks for a task (tasks topic). Requesting the same task id twice starts it once."""
+
+    type: Literal["task.requested"] = "task.requested"
+    input: JsonObject = Field(default_factory=dict)
+    allowed_tools: list[str] = Field(default_factory=list)
+    policy: TaskPolicy = Field(default_factory=TaskPolicy)
+
+
+class TaskStarted(_Event):
+    """The decider accepted a task; from here on the journal alone describes it."""
+
+    type: Literal["task.started"] = "task.started"
+    input: JsonObject = Field(default_factory=dict)
+    allowed_tools: list[str] = Field(default_factory=list)
+    policy: TaskPolicy = Field(default_factory=TaskPolicy)
+
+
+class TaskRejected(_Event):
+    type: Literal["task.rejected"] = "task.rejected"
+    reason: str = Field(min_length=1)
+
+
+class StepIntended(_StepEvent):
+    """A decision, journaled before anything happens. Args are frozen as first decided."""
+
+    type: Literal["step.intended"] = "step.intended"
+    n: int = Field(ge=1, le=STEP_N_MAX)
+    tool: str = Field(min_length=1)
+    args: JsonObject = Field(default_factory=dict)
+    key: Key
+    subject: str | None = Field(None, description="Business object touched, e.g. invoice:INV-2291")
+    effect_class: EffectClass
+    saga_role: SagaRole | None = None
+    compensation: CompensationPlan | None = None
+    decided_by: DecidedBy
+
+    @model_validator(mode="after")
+    def _names_are_minted(self) -> Self:
+        if self.step_id != f"{self.task_id}:{self.n}":
+            raise ValueError(f"step_id {self.step_id} is not '{{task_id}}:{{n}}' for n={self.n}")
+        if self.key != mint_key(self.step_id):
+            raise ValueError(f"key {self.key!r} is not the key minted for step {self.step_id}")
+        if self.saga_role is SagaRole.COMPENSABLE and self.compensation is None:
+            raise ValueError("a compensable step must declare its compensation before it runs")
+        return self
+
+
+class StepAttempted(_StepEvent):
+    """Journaled by the executor before each request leaves."""
+
+    type: Literal["step.attempted"] = "step.attempted"
+    attempt: int = Field(ge=1)
+    key: Key
+    started_at: AwareDatetime
+
+    @model_validator(mode="after")
+    def _key_is_the_steps(self) -> Self:
+        if self.key != mint_key(self.step_id):
+            raise ValueError(f"key {self.key!r} is not the key minted for step {self.step_id}")
+        return self
+
+
+class _Settlement(_StepEvent):
+    outcome: Outcome
+    evidence: JsonObject | None = Field(None, description="What proves `done`.")
+    reason: str | None = Field(None, description="Why `not_done`, or why it is `unknown`.")
+    source: SettlementSource
+    attempt: int | None = Field(None, ge=1, description="The attempt this settles, if one.")
+
+    @model_validator(mode="after")
+    def _outcome_is_substantiated(self) -> Self:
+        # Three outcomes, each with what it rests on: done has evidence, the others a reason.
+        if self.outcome is Outcome.DONE and not self.evidence:
+            raise ValueError("a done settlement must carry evidence")
+        if self.outcome is not Outcome.DONE and not self.reason:
+            raise ValueError(f"a {self.outcome} settlement must carry a reason")
+        return self
+
+
+class StepSettled(_Settlement):
+    type: Literal["step.settled"] = "step.settled"
+
+
+class StepChecked(_StepEvent):
+    """A lookup that found nothing yet: the step stays unknown, and says when it is checked next."""
+
+    type: Literal["step.checked"] = "step.checked"
+    found: str = Field("nothing", description="What the check found, in words.")
+    next_check_at: AwareDatetime | None = Field(None, description="None: no further check planned.")
+
+
+class CompensationIntended(_StepEvent):
+    """The undo of a done step; `step_id` names the step being undone."""
+
+    type: Literal["compensation.intended"] = "compensation.intended"
+    tool: str = Field(min_length=1)
+    args: JsonObject = Field(default_factory=dict)
+    key: Key
+
+    @model_validator(mode="after")
+    def _key_is_the_undo_key(self) -> Self:
+        if self.key != mint_undo_key(self.step_id):
+            raise ValueError(f"key {self.key!r} is not the undo key of step {self.step_id}")
+        return self
+
+
+class CompensationAttempted(_StepEvent):
+    type: Literal["compensation.attempted"] = "compensation.attempted"
+    attempt: int = Field(ge=1)
+    key: Key
+    started_at: AwareDatetime
+
+    @model_validator(mode="after")
+    def _key_is_the_undo_key(self) -> Self:
+        if self.key != mint_undo_key(self.step_id):
+            raise ValueError(f"key {self.key!r} is not the undo key of step {self.step_id}")
+        return self
+
+
+class CompensationSettled(_Settlement):
+    type: Literal["compensation.settled"] = "compensation.settled"
+
+
+class TaskFinished(_Event):
+    type: Literal["task.finished"] = "task.finished"
+    state: FinalState
+    summary: str = Field(min_length=1)
+
+
+Event = Annotated[
+    TaskRequested
+    | TaskStarted
+    | TaskRejected
+    | StepIntended
+    | StepAttempted
+    | StepSettled
+    | StepChecked
+    | CompensationIntended
+    | CompensationAttempted
+    | CompensationSettled
+    | TaskFinished,
+    Field(discriminator="type"),
+]
+EVENT_TYPES: tuple[type[BaseModel], ...] = (
+    TaskRequested,
+    TaskStarted,
+    TaskRejected,
+    StepIntended,
+    StepAttempted,
+    StepSettled,
+    StepChecked,
+    CompensationIntended,
+    CompensationAttempted,
+    CompensationSettled,
+    TaskFinished,
+)
+
+EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+
+
+def event_type_name(model: type[BaseModel]) -> str:
+    """The `type` string of an event class, e.g. 'step.settled'."""
+    return model.model_fields["type"].default
+
+
+def parse_event(raw: bytes | str) -> Event:
+    """Validate one JSON-encoded event. Raises pydantic.ValidationError with the reason."""
+    return EVENT_ADAPTER.validate_json(raw)
+
+
+def parse_event_obj(obj: Any) -> Event:
+    return EVENT_ADAPTER.validate_python(obj)
+
+
+def encode_event(event: Event) -> bytes:
+    return event.model_dump_json().encode()
+
+
+# ---------------------------------------------------------------------------------------------
+# The dead-letter record: not an event of a task, but part of the contract (callers read it).
+
+
+class DeadLetter(BaseModel):
+    """A record that failed validation, kept whole with the reason, never silently dropped."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=_type_is_required)
+
+    type: Literal["dead_letter"] = "dead_letter"
+    schema_version: Literal[1] = SCHEMA_VERSION
+    reason: str
+    source_topic: str
+    source_partition: int
+    source_offset: int
+    key: str | None = Field(None, description="The record's key, decoded as UTF-8 (replaced).")
+    value: str = Field(description="The record's value, decoded as UTF-8 with replacement.")
+    value_b64: str | None = Field(None, description="The raw value, when it was not valid UTF-8.")
+    headers: dict[str, str] = Field(default_factory=dict)
+    consumer_group: str | None = None
+    at: AwareDatetime

@@ -1,0 +1,67 @@
+"""Every topic halfway uses: its name, partition count, key and configs, in one place.
+
+Journal topics keep everything: `cleanup.policy=delete` with infinite retention, never
+compaction, because replay needs the whole history. Only derived latest-state topics may be
+compacted. Topic names carry a prefix (env `HALFWAY_TOPIC_PREFIX`, default `halfway.`) so tests
+and several deployments can share one cluster without seeing each other's records.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+KEEP_FOREVER = {"cleanup.policy": "delete", "retention.ms": "-1", "retention.bytes": "-1"}
+
+
+@dataclass(frozen=True, slots=True)
+class TopicSpec:
+    suffix: str
+    partitions: int
+    key: str  # what the record key is, in words: it decides ordering
+    configs: dict[str, str] = field(default_factory=dict)
+    about: str = ""
+
+    def name(self, prefix: str | None = None) -> str:
+        return (topic_prefix() if prefix is None else prefix) + self.suffix
+
+
+def topic_prefix() -> str:
+    return os.environ.get("HALFWAY_TOPIC_PREFIX", "halfway.")
+
+
+# Partition counts bound how many instances of a service share the work; 6 divides evenly
+# among 1, 2, 3 or 6 instances and is cheap on a single local broker.
+TASKS = TopicSpec(
+    "tasks", 6, "task_id", KEEP_FOREVER, "task.requested, published by callers"
+)
+JOURNAL = TopicSpec(
+    "journal",
+    6,
+    "task_id",
+    KEEP_FOREVER,
+    "the system of record: every task, step and compensation event",
+)
+WEBHOOKS = TopicSpec(
+    "webhooks",
+    6,
+    "provider object id",
+    KEEP_FOREVER,
+    "verified provider webhooks, keyed so one effect's events stay in order",
+)
+OUTCOMES = TopicSpec(
+    "outcomes",
+    6,
+    "task_id",
+    KEEP_FOREVER,
+    "user-facing three-state outcomes, derived from the journal (rebuildable by replay)",
+)
+DEAD_LETTERS = TopicSpec(
+    "deadletters",
+    1,
+    "the original record's key",
+    KEEP_FOREVER,
+    "records that failed validation, whole, with the reason",
+)
+
+ALL_TOPICS: tuple[TopicSpec, ...] = (TASKS, JOURNAL, WEBHOOKS, OUTCOMES, DEAD_LETTERS)

@@ -1,0 +1,127 @@
+"""classify: what a failed call proves. Pure.
+
+An adapter turns whatever its client library raised into one `CallFailure` (what was observed,
+not what it means); `classify` decides the outcome. The rule is one sentence: **`not_done` needs
+proof**. There are exactly two proofs:
+
+- the provider answered and refused: a 4xx other than 408 (timeout), 409 (conflict, e.g. the
+  same key still in flight), 425 (too early) and 429 (rate limited: Stripe's limiter runs before
+  its idempotency layer, so it says nothing about an earlier request). Within a key's lifetime a
+  keyed provider replays the saved result of an earlier attempt, so a refusal of a retry with the
+  same key speaks for every attempt;
+- the request provably never left (connection refused, name not resolved, connect timeout), and
+  this is the step's first attempt. On a later attempt it proves nothing about the earlier ones.
+
+Everything else (a timeout after sending, a reset, a 5xx, a 409, a 429, a redirect, a crash,
+any exception nobody foresaw) is `unknown`: it may have happened. `unknown` is never rounded
+to failure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from halfway.contract.events import Outcome
+
+# 4xx statuses that do not prove a refusal.
+AMBIGUOUS_4XX = frozenset({408, 409, 425, 429})
+
+
+@dataclass(frozen=True, slots=True)
+class Replied:
+    """The provider answered with a non-2xx status."""
+
+    status: int
+    code: str | None = None  # the provider's error code, e.g. card_declined
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class NotSent:
+    """The request provably never reached the provider (refused, unresolvable, connect timeout)."""
+
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class TimedOut:
+    """The request left (or may have) and no reply came within the tool's timeout."""
+
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionLost:
+    """The connection broke after the request may have left (reset, EOF, broken pipe)."""
+
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class Crashed:
+    """Our process died mid-call: found on restart as an attempt with no settlement."""
+
+    why: str = "the harness stopped while the call was in flight"
+
+
+@dataclass(frozen=True, slots=True)
+class Unexpected:
+    """Anything nobody foresaw. It proves nothing, so it is unknown."""
+
+    what: str
+
+
+CallFailure = Replied | NotSent | TimedOut | ConnectionLost | Crashed | Unexpected
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    outcome: Outcome
+    reason: str
+
+    def __post_init__(self) -> None:
+        assert self.outcome is not Outcome.DONE, "done rests on evidence, never on a failure"
+
+
+def classify(failure: CallFailure, *, attempt: int = 1) -> Verdict:
+    """The outcome a failed attempt proves about its step. `attempt` counts from 1."""
+    if attempt < 1:
+        raise ValueError(f"attempt numbers start at 1, got {attempt}")
+    match failure:
+        case Replied(status=status) if 200 <= status < 300:
+            raise ValueError(f"HTTP {status} is not a failure: the adapter settles it done")
+        case Replied(status=status, code=code, message=message) if (
+            400 <= status < 500 and status not in AMBIGUOUS_4XX
+        ):
+            detail = " ".join(p for p in (code, message) if p)
+            return Verdict(Outcome.NOT_DONE, f"refused by the provider: HTTP {status}"
+                           + (f" {detail}" if detail else ""))
+        case Replied(status=status, code=code):
+            what = {408: "request timeout", 409: "conflict (the same key may still be in flight)",
+                    425: "too early", 429: "rate limited"}.get(status) or _family(status)
+            return Verdict(Outcome.UNKNOWN, f"HTTP {status} {what}"
+                           + (f" ({code})" if code else "") + "; it may have happened")
+        case NotSent(why=why) if attempt == 1:
+            return Verdict(Outcome.NOT_DONE, f"never reached the provider: {why}")
+        case NotSent(why=why):
+            return Verdict(Outcome.UNKNOWN, f"attempt {attempt} never reached the provider "
+                           f"({why}), but an earlier attempt may have happened")
+        case TimedOut(timeout_s=timeout_s):
+            return Verdict(Outcome.UNKNOWN, f"no reply within {timeout_s:g} s; "
+                           "the provider may have processed it")
+        case ConnectionLost(why=why):
+            return Verdict(Outcome.UNKNOWN, f"connection lost after sending ({why}); "
+                           "the provider may have processed it")
+        case Crashed(why=why):
+            return Verdict(Outcome.UNKNOWN, f"{why}; it may have happened")
+        case Unexpected(what=what):
+            return Verdict(Outcome.UNKNOWN, f"unexpected failure ({what}); it may have happened")
+    raise TypeError(f"not a CallFailure: {failure!r}")
+
+
+def _family(status: int) -> str:
+    if 500 <= status < 600:
+        return "server error"
+    if 300 <= status < 400:
+        return "redirect"
+    return "unexpected status"

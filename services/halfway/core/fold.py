@@ -1,0 +1,320 @@
+"""The fold: a task's state is only ever the fold of its journal. Pure: no I/O, no clock.
+
+Theory of operation
+-------------------
+A task is a sequence of events in one Kafka partition (keyed by task id), so the log gives them
+a total order, and the fold reads them in that order. Services process at-least-once, producers
+retry, and a zombie instance may write after a rebalance, so the log holds redeliveries (same
+`event_id`) and duplicates (a second writer's version of the same fact). The fold makes both
+harmless with three rules:
+
+1. A redelivered record (an `event_id` already applied) changes nothing.
+2. First in log wins for any (step, kind, attempt): the first `step.intended` of a step is the
+   decision (a later one, even with other args, is ignored: a decision written twice is decided
+   once); the first `step.attempted` of an attempt number is that attempt; the same for the task
+   events and for compensations.
+3. Settlements: a step's outcome is its first definitive settlement (`done` or `not_done`).
+   An `unknown` is only ever replaced by a definitive one, and a definitive one is never
+   replaced. A later definitive settlement that contradicts it is kept in `contradictions` and
+   surfaced; it is never silently dropped. A later one that agrees is redundant.
+
+The fold never raises on a strange sequence (an attempt of a step never intended, a settlement
+of nothing): it cannot refuse what is already in the log. It records such events in `anomalies`
+so they are visible, and otherwise applies them as well as it can. It does raise on an event of
+another task: that is a bug in the caller, not a fact about this task.
+
+What a step "is" for users comes from `StepState.status`: `intended` (decided, not yet
+attempted), `in_flight` (an attempt has no settlement yet: after a crash this is exactly the
+unknown case, and the executor must look it up before anything else), `done`, `not_done`,
+`unknown`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from types import MappingProxyType
+from typing import assert_never
+
+from halfway.contract.events import (
+    CompensationAttempted,
+    CompensationIntended,
+    CompensationSettled,
+    Event,
+    FinalState,
+    Outcome,
+    StepAttempted,
+    StepChecked,
+    StepIntended,
+    StepSettled,
+    TaskFinished,
+    TaskRejected,
+    TaskRequested,
+    TaskStarted,
+)
+from halfway.contract.ids import parse_step_id
+
+Settlement = StepSettled | CompensationSettled
+Attempt = StepAttempted | CompensationAttempted
+
+
+class TaskStatus(StrEnum):
+    REQUESTED = "requested"  # asked for, not yet accepted by the decider
+    RUNNING = "running"
+    REJECTED = "rejected"
+    FINISHED = "finished"
+
+
+class StepStatus(StrEnum):
+    INTENDED = "intended"
+    IN_FLIGHT = "in_flight"
+    DONE = "done"
+    NOT_DONE = "not_done"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class EffectState:
+    """What is known of one effect (a step, or the compensation of a step): attempts and
+    settlements. Shared by steps and compensations because the rules are the same."""
+
+    attempts: tuple[Attempt, ...] = ()
+    settlement: Settlement | None = None  # the one that counts (rule 3)
+    unknowns: tuple[Settlement, ...] = ()  # every unknown seen, in log order
+    contradictions: tuple[Settlement, ...] = ()
+    last_check: StepChecked | None = None
+
+    @property
+    def outcome(self) -> Outcome | None:
+        return None if self.settlement is None else self.settlement.outcome
+
+    @property
+    def attempts_settled(self) -> frozenset[int]:
+        settled = {s.attempt for s in self.unknowns if s.attempt is not None}
+        if self.settlement is not None and self.settlement.attempt is not None:
+            settled.add(self.settlement.attempt)
+        return frozenset(settled)
+
+    @property
+    def status(self) -> StepStatus:
+        outcome = self.outcome
+        if outcome is Outcome.DONE:
+            return StepStatus.DONE
+        if outcome is Outcome.NOT_DONE:
+            return StepStatus.NOT_DONE
+        if not self.attempts:
+            # Unknown without an attempt can only come from a lookup or an operator saying so.
+            return StepStatus.UNKNOWN if outcome is Outcome.UNKNOWN else StepStatus.INTENDED
+        if self.attempts[-1].attempt not in self.attempts_settled:
+            return StepStatus.IN_FLIGHT
+        return StepStatus.UNKNOWN
+
+    def with_attempt(self, event: Attempt) -> EffectState:
+        if any(a.attempt == event.attempt for a in self.attempts):
+            return self  # rule 2: a second writer's copy of an attempt is ignored
+        attempts = tuple(sorted((*self.attempts, event), key=lambda a: a.attempt))
+        return replace(self, attempts=attempts)
+
+    def with_settlement(self, event: Settlement) -> EffectState:
+        current = self.settlement
+        if event.outcome is Outcome.UNKNOWN:
+            if current is not None and current.outcome is not Outcome.UNKNOWN:
+                return self  # an unknown never replaces a definitive outcome
+            if any(u.attempt == event.attempt for u in self.unknowns):
+                return self  # rule 2: the first unknown of an attempt is that attempt's
+            return replace(self, settlement=event, unknowns=(*self.unknowns, event))
+        if current is None or current.outcome is Outcome.UNKNOWN:
+            return replace(self, settlement=event)
+        if current.outcome is event.outcome:
+            return self  # agrees with the outcome already known
+        if any(_same_fact(c, event) for c in self.contradictions):
+            return self  # the same contradiction, written twice
+        return replace(self, contradictions=(*self.contradictions, event))
+
+    def with_check(self, event: StepChecked) -> EffectState:
+        # A check is news only if it is newer than the last one; a zombie's late copy of an
+        # older check must not move "next check at" backwards.
+        if self.last_check is not None and event.at <= self.last_check.at:
+            return self
+        return replace(self, last_check=event)
+
+
+@dataclass(frozen=True, slots=True)
+class StepState:
+    intent: StepIntended
+    effect: EffectState = EffectState()
+    compensation: CompensationIntended | None = None
+    undo: EffectState = EffectState()
+
+    @property
+    def step_id(self) -> str:
+        return self.intent.step_id
+
+    @property
+    def n(self) -> int:
+        return self.intent.n
+
+    @property
+    def status(self) -> StepStatus:
+        return self.effect.status
+
+    @property
+    def outcome(self) -> Outcome | None:
+        return self.effect.outcome
+
+
+@dataclass(frozen=True, slots=True)
+class TaskState:
+    task_id: str
+    status: TaskStatus | None = None  # None: nothing known of this task yet
+    request: TaskRequested | None = None
+    started: TaskStarted | None = None
+    rejected: TaskRejected | None = None
+    finished: TaskFinished | None = None
+    steps: Mapping[int, StepState] = field(default_factory=lambda: MappingProxyType({}))
+    # Events about effects whose step is not (yet) in the log; kept, never dropped.
+    orphans: tuple[Event, ...] = ()
+    anomalies: tuple[str, ...] = ()
+    # Event ids already applied (rule 1): bookkeeping, not part of what the task *is*.
+    applied: frozenset[str] = field(default=frozenset(), compare=False)
+
+    @property
+    def final_state(self) -> FinalState | None:
+        return None if self.finished is None else self.finished.state
+
+    def step(self, n: int) -> StepState | None:
+        return self.steps.get(n)
+
+    @property
+    def next_step_n(self) -> int:
+        return max(self.steps, default=0) + 1
+
+
+def fold(events: Iterable[Event], task_id: str | None = None) -> TaskState:
+    """Fold one task's events, in log order, into its state."""
+    state: TaskState | None = None if task_id is None else TaskState(task_id=task_id)
+    for event in events:
+        if state is None:
+            state = TaskState(task_id=event.task_id)
+        state = apply(state, event)
+    if state is None:
+        raise ValueError("fold of no events needs the task_id")
+    return state
+
+
+def fold_all(events: Iterable[Event]) -> dict[str, TaskState]:
+    """Fold interleaved events of many tasks (a whole topic, in log order) per task."""
+    states: dict[str, TaskState] = {}
+    for event in events:
+        current = states.get(event.task_id) or TaskState(task_id=event.task_id)
+        states[event.task_id] = apply(current, event)
+    return states
+
+
+def apply(state: TaskState, event: Event) -> TaskState:
+    """One event onto a task's state. Redeliveries and duplicates change nothing."""
+    if event.task_id != state.task_id:
+        raise ValueError(f"{event.type} {event.event_id} of task {event.task_id} "
+                         f"folded into task {state.task_id}")
+    if event.event_id in state.applied:
+        return state
+    state = replace(state, applied=state.applied | {event.event_id})
+    match event:
+        case TaskRequested():
+            if state.request is not None:
+                return state
+            status = state.status or TaskStatus.REQUESTED
+            return replace(state, request=event, status=status)
+        case TaskStarted():
+            if state.rejected is not None:
+                return _note(state, event, "task was already rejected")
+            if state.started is not None:
+                return state
+            status = TaskStatus.FINISHED if state.finished is not None else TaskStatus.RUNNING
+            return replace(state, started=event, status=status)
+        case TaskRejected():
+            if state.started is not None:
+                return _note(state, event, "task was already started")
+            if state.rejected is not None:
+                return state
+            return replace(state, rejected=event, status=TaskStatus.REJECTED)
+        case TaskFinished():
+            if state.finished is not None:
+                return state
+            return replace(state, finished=event, status=TaskStatus.FINISHED)
+        case StepIntended():
+            if event.n in state.steps:
+                return state  # rule 2: the first decision is the decision
+            steps = dict(state.steps)
+            steps[event.n] = StepState(intent=event)
+            state = replace(state, steps=MappingProxyType(steps))
+            return _adopt_orphans(state, event.n)
+        case StepAttempted() | StepSettled() | StepChecked() | CompensationIntended() | \
+                CompensationAttempted() | CompensationSettled():
+            return _apply_to_step(state, event)
+        case _:
+            assert_never(event)
+
+
+StepEvent = (
+    StepAttempted
+    | StepSettled
+    | StepChecked
+    | CompensationIntended
+    | CompensationAttempted
+    | CompensationSettled
+)
+
+
+def _apply_to_step(state: TaskState, event: StepEvent) -> TaskState:
+    _, n = parse_step_id(event.step_id)
+    step = state.steps.get(n)
+    if step is None:
+        # Write-before-acting makes this impossible in one partition, unless a writer is buggy.
+        # Keep the event: if the decision appears later, it is applied then.
+        state = _note(state, event, f"step {event.step_id} was never intended")
+        return replace(state, orphans=(*state.orphans, event))
+    steps = dict(state.steps)
+    steps[n] = _step_with(step, event)
+    return replace(state, steps=MappingProxyType(steps))
+
+
+def _step_with(step: StepState, event: StepEvent) -> StepState:
+    match event:
+        case StepAttempted():
+            return replace(step, effect=step.effect.with_attempt(event))
+        case StepSettled():
+            return replace(step, effect=step.effect.with_settlement(event))
+        case StepChecked():
+            return replace(step, effect=step.effect.with_check(event))
+        case CompensationIntended():
+            if step.compensation is not None:
+                return step
+            return replace(step, compensation=event)
+        case CompensationAttempted():
+            return replace(step, undo=step.undo.with_attempt(event))
+        case CompensationSettled():
+            return replace(step, undo=step.undo.with_settlement(event))
+        case _:
+            assert_never(event)
+
+
+def _adopt_orphans(state: TaskState, n: int) -> TaskState:
+    mine = [o for o in state.orphans if parse_step_id(o.step_id)[1] == n]  # type: ignore[union-attr]
+    if not mine:
+        return state
+    state = replace(state, orphans=tuple(o for o in state.orphans if o not in mine))
+    for orphan in mine:
+        state = _apply_to_step(state, orphan)  # type: ignore[arg-type]
+    return state
+
+
+def _same_fact(a: Event, b: Event) -> bool:
+    """Two records state the same fact if they differ only in who stamped them when."""
+    ignore = {"event_id", "at"}
+    return a.model_dump(exclude=ignore) == b.model_dump(exclude=ignore)
+
+
+def _note(state: TaskState, event: Event, why: str) -> TaskState:
+    return replace(state, anomalies=(*state.anomalies, f"{event.type} {event.event_id}: {why}"))

@@ -1,0 +1,138 @@
+"""Building events in tests: a clock that ticks and one valid example of every event type."""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from halfway.contract import (
+    CompensationAttempted,
+    CompensationIntended,
+    CompensationPlan,
+    CompensationSettled,
+    DecidedBy,
+    EffectClass,
+    Event,
+    FinalState,
+    Outcome,
+    SagaRole,
+    SettlementSource,
+    StepAttempted,
+    StepChecked,
+    StepIntended,
+    StepSettled,
+    TaskFinished,
+    TaskPolicy,
+    TaskRejected,
+    TaskRequested,
+    TaskStarted,
+    mint_key,
+    mint_undo_key,
+    step_id,
+)
+
+EPOCH = datetime(2026, 12, 2, 9, 0, tzinfo=UTC)
+
+
+@dataclass
+class Stamper:
+    """Stamps event ids and times like a writer would: ids unique, time moving forward."""
+
+    task_id: str
+    now: datetime = EPOCH
+    tick: timedelta = timedelta(milliseconds=100)
+    _ids: itertools.count = field(default_factory=itertools.count)
+
+    def stamp(self) -> dict[str, Any]:
+        self.now += self.tick
+        return {"event_id": uuid.uuid4().hex, "task_id": self.task_id, "at": self.now}
+
+    def requested(self, **kw: Any) -> TaskRequested:
+        return TaskRequested(**self.stamp(), input={"invoice": "INV-2291", "amount_cents": 4900},
+                             allowed_tools=["charge_customer"], **kw)
+
+    def started(self, **kw: Any) -> TaskStarted:
+        return TaskStarted(**self.stamp(), input={"invoice": "INV-2291"},
+                           allowed_tools=["charge_customer"], **kw)
+
+    def rejected(self, reason: str = "unknown tool") -> TaskRejected:
+        return TaskRejected(**self.stamp(), reason=reason)
+
+    def intended(self, n: int, *, args: dict[str, Any] | None = None, **kw: Any) -> StepIntended:
+        sid = step_id(self.task_id, n)
+        fields: dict[str, Any] = {
+            "tool": "charge_customer",
+            "args": args if args is not None else {"invoice": "INV-2291", "amount_cents": 4900},
+            "subject": "invoice:INV-2291",
+            "effect_class": EffectClass.KEYED,
+            "decided_by": DecidedBy(model="scripted", version="1"),
+        } | kw
+        return StepIntended(**self.stamp(), step_id=sid, n=n, key=mint_key(sid), **fields)
+
+    def attempted(self, n: int, attempt: int) -> StepAttempted:
+        sid = step_id(self.task_id, n)
+        return StepAttempted(**self.stamp(), step_id=sid, attempt=attempt, key=mint_key(sid),
+                             started_at=self.now)
+
+    def settled(self, n: int, outcome: Outcome, *, attempt: int | None = None,
+                source: SettlementSource = SettlementSource.CALL,
+                evidence: dict[str, Any] | None = None, reason: str | None = None) -> StepSettled:
+        return StepSettled(**self.stamp(), step_id=step_id(self.task_id, n),
+                           **_settlement(outcome, attempt, source, evidence, reason))
+
+    def checked(self, n: int, next_in: timedelta | None = timedelta(seconds=2)) -> StepChecked:
+        stamp = self.stamp()
+        return StepChecked(**stamp, step_id=step_id(self.task_id, n),
+                           next_check_at=None if next_in is None else stamp["at"] + next_in)
+
+    def undo_intended(self, n: int) -> CompensationIntended:
+        sid = step_id(self.task_id, n)
+        return CompensationIntended(**self.stamp(), step_id=sid, tool="refund_charge",
+                                    args={"charge": "ch_1"}, key=mint_undo_key(sid))
+
+    def undo_attempted(self, n: int, attempt: int) -> CompensationAttempted:
+        sid = step_id(self.task_id, n)
+        return CompensationAttempted(**self.stamp(), step_id=sid, attempt=attempt,
+                                     key=mint_undo_key(sid), started_at=self.now)
+
+    def undo_settled(self, n: int, outcome: Outcome, *, attempt: int | None = None,
+                     source: SettlementSource = SettlementSource.CALL) -> CompensationSettled:
+        return CompensationSettled(**self.stamp(), step_id=step_id(self.task_id, n),
+                                   **_settlement(outcome, attempt, source, None, None))
+
+    def finished(self, state: FinalState = FinalState.SUCCEEDED) -> TaskFinished:
+        return TaskFinished(**self.stamp(), state=state, summary=f"task {state}")
+
+
+def _settlement(outcome: Outcome, attempt: int | None, source: SettlementSource,
+                evidence: dict[str, Any] | None, reason: str | None) -> dict[str, Any]:
+    if outcome is Outcome.DONE:
+        evidence = evidence or {"charge_id": "ch_1"}
+    else:
+        reason = reason or ("refused: card declined" if outcome is Outcome.NOT_DONE
+                            else "no reply within 5 s")
+    return {"outcome": outcome, "attempt": attempt, "source": source,
+            "evidence": evidence, "reason": reason}
+
+
+def one_of_each(task_id: str = "renewal-8812") -> list[Event]:
+    """One valid example of every event type, in an order a real task could write them."""
+    s = Stamper(task_id)
+    return [
+        s.requested(policy=TaskPolicy(saga=True, max_steps=5)),
+        s.started(),
+        s.rejected(),
+        s.intended(1, saga_role=SagaRole.COMPENSABLE, compensation=CompensationPlan(
+            tool="refund_charge", args={"charge": "$result.id"})),
+        s.attempted(1, 1),
+        s.settled(1, Outcome.UNKNOWN, attempt=1),
+        s.checked(1),
+        s.settled(1, Outcome.DONE, source=SettlementSource.LOOKUP),
+        s.undo_intended(1),
+        s.undo_attempted(1, 1),
+        s.undo_settled(1, Outcome.DONE, attempt=1),
+        s.finished(FinalState.COMPENSATED),
+    ]
