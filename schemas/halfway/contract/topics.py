@@ -59,7 +59,7 @@ OUTCOMES = TopicSpec(
 DEAD_LETTERS = TopicSpec(
     "deadletters",
     1,
-    "the original record's key",
+    "source topic/partition/offset (the original key is inside)",
     KEEP_FOREVER,
     "records that failed validation, whole, with the reason",
 )

@@ -1,0 +1,45 @@
+"""Topic creation with configs, from the one declaration in halfway.contract.topics."""
+
+from __future__ import annotations
+
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import for_code
+
+from halfway import log
+from halfway.contract.topics import ALL_TOPICS, TopicSpec
+from halfway.settings import KafkaSettings
+
+TOPIC_ALREADY_EXISTS = 36
+CREATE_TIMEOUT_MS = 30_000
+
+
+async def ensure_topics(settings: KafkaSettings,
+                        specs: tuple[TopicSpec, ...] = ALL_TOPICS) -> list[str]:
+    """Create every topic that does not exist yet; return the names of those created.
+
+    Existing topics are left as they are (their configs are not overwritten): changing a
+    journal's retention is an operator's decision, not a side effect of a deploy.
+    """
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap)
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        wanted = [s for s in specs if s.name(settings.topic_prefix) not in existing]
+        if not wanted:
+            return []
+        response = await admin.create_topics(
+            [NewTopic(name=s.name(settings.topic_prefix), num_partitions=s.partitions,
+                      replication_factor=settings.replication_factor, topic_configs=s.configs)
+             for s in wanted],
+            timeout_ms=CREATE_TIMEOUT_MS,
+        )
+        created = []
+        for topic, code, *message in response.topic_errors:
+            if code == 0:
+                created.append(topic)
+            elif code != TOPIC_ALREADY_EXISTS:  # another process won the race: fine
+                raise for_code(code)(f"creating topic {topic}: {message[0] if message else ''}")
+        log.get("halfway.journal").info("topics created", topics=created)
+        return created
+    finally:
+        await admin.close()

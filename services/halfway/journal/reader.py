@@ -1,0 +1,94 @@
+"""The typed consumer: valid events out, invalid records to the dead-letter topic.
+
+A record that is not a valid event never crashes the service and never blocks its partition:
+it is written whole, with the reason, to the dead-letter topic (and that write is awaited, so
+it is never lost), then the consumer goes on with the next record. Offsets are committed by the
+caller, after it has acted on an event: at-least-once, with every output idempotent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from types import TracebackType
+from typing import Self
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.structs import ConsumerRecord
+
+from halfway import log
+from halfway.contract.topics import DEAD_LETTERS, TopicSpec
+from halfway.journal.records import Delivery, InvalidRecord, dead_letter, decode
+from halfway.journal.writer import JournalWriter
+from halfway.settings import KafkaSettings
+
+FETCH_TIMEOUT_MS = 500
+FETCH_RECORDS_MAX = 500
+
+
+class EventConsumer:
+    def __init__(self, settings: KafkaSettings, *, topics: tuple[TopicSpec, ...], group: str,
+                 writer: JournalWriter) -> None:
+        self.group = group
+        self._writer = writer  # for dead letters
+        self._log = log.get("halfway.journal", group=group)
+        self._consumer = AIOKafkaConsumer(
+            *(t.name(settings.topic_prefix) for t in topics),
+            bootstrap_servers=settings.bootstrap,
+            group_id=group,
+            enable_auto_commit=False,  # we commit after acting, never before
+            auto_offset_reset="earliest",  # a new group reads the journal from the start
+            isolation_level="read_committed",
+        )
+        self.dead_lettered = 0
+
+    async def start(self) -> None:
+        await self._consumer.start()
+
+    async def stop(self) -> None:
+        await self._consumer.stop()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.stop()
+
+    async def deliveries(self) -> AsyncIterator[Delivery]:
+        """Valid events in log order per partition, forever."""
+        while True:
+            batches = await self._consumer.getmany(timeout_ms=FETCH_TIMEOUT_MS,
+                                                   max_records=FETCH_RECORDS_MAX)
+            for records in batches.values():
+                for record in records:
+                    delivery = await self._accept(record)
+                    if delivery is not None:
+                        yield delivery
+
+    async def _accept(self, record: ConsumerRecord) -> Delivery | None:
+        try:
+            event = decode(record)
+        except InvalidRecord as exc:
+            await self._dead_letter(record, exc.reason)
+            return None
+        return Delivery(event, record.topic, record.partition, record.offset)
+
+    async def _dead_letter(self, record: ConsumerRecord, reason: str) -> None:
+        letter = dead_letter(record, reason, group=self.group, at=datetime.now(UTC))
+        # Keyed by where the record came from, so a redelivered poison record is recognisable.
+        key = f"{record.topic}/{record.partition}/{record.offset}".encode()
+        await self._writer.append_raw(DEAD_LETTERS, letter.model_dump_json().encode(), key=key)
+        self.dead_lettered += 1
+        self._log.warning("dead-lettered an invalid record", topic=record.topic,
+                          partition=record.partition, offset=record.offset, reason=reason)
+
+    async def commit(self, delivery: Delivery) -> None:
+        """Everything up to and including `delivery` in its partition has been acted on."""
+        tp = TopicPartition(delivery.topic, delivery.partition)
+        await self._consumer.commit({tp: delivery.offset + 1})
+
+    async def commit_consumed(self) -> None:
+        """Everything handed out so far (and every dead-lettered record) has been acted on."""
+        await self._consumer.commit()

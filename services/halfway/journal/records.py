@@ -1,0 +1,97 @@
+"""Events as Kafka records, and records back into events (or into a reason they are not one)."""
+
+from __future__ import annotations
+
+import base64
+from datetime import datetime
+from dataclasses import dataclass
+
+from aiokafka.structs import ConsumerRecord
+from pydantic import ValidationError
+
+from halfway.contract import Event, encode_event, parse_event
+from halfway.contract.events import DeadLetter
+
+Headers = list[tuple[str, bytes]]
+REASON_LENGTH_MAX = 2000
+
+
+def record_key(event: Event) -> bytes:
+    # The partition key is the task id: one task's events are totally ordered.
+    return event.task_id.encode()
+
+
+def record_headers(event: Event) -> Headers:
+    # Headers let a reader route or filter without parsing the value; the value stays authoritative.
+    return [
+        ("type", event.type.encode()),
+        ("schema_version", str(event.schema_version).encode()),
+        ("event_id", event.event_id.encode()),
+    ]
+
+
+def record_value(event: Event) -> bytes:
+    return encode_event(event)
+
+
+class InvalidRecord(Exception):
+    """A record that is not a valid event; `reason` says why in words a caller can act on."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def decode(record: ConsumerRecord) -> Event:
+    """The event a record holds. Raises InvalidRecord with the reason."""
+    if record.value is None:
+        raise InvalidRecord("the record has no value (a tombstone): journals hold events only")
+    try:
+        event = parse_event(record.value)
+    except ValidationError as exc:
+        raise InvalidRecord(_describe(exc)) from exc
+    if record.key is not None and record.key != record_key(event):
+        # A task's events must share a partition; a wrong key breaks the order the fold needs.
+        raise InvalidRecord(f"record key {record.key!r} is not the event's task id "
+                            f"{event.task_id!r}")
+    return event
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors(include_url=False):
+        where = ".".join(str(p) for p in err["loc"]) or "(record)"
+        parts.append(f"{where}: {err['msg']}")
+    return ("invalid event: " + "; ".join(parts))[:REASON_LENGTH_MAX]
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """A valid event and where it sits in the log."""
+
+    event: Event
+    topic: str
+    partition: int
+    offset: int
+
+
+def dead_letter(record: ConsumerRecord, reason: str, *, group: str | None,
+                at: datetime) -> DeadLetter:
+    """The dead-letter record for `record`: whole, so nothing of it is lost."""
+    value = record.value or b""
+    try:
+        text, raw = value.decode("utf-8"), None
+    except UnicodeDecodeError:
+        text, raw = value.decode("utf-8", errors="replace"), base64.b64encode(value).decode()
+    return DeadLetter(
+        reason=reason,
+        source_topic=record.topic,
+        source_partition=record.partition,
+        source_offset=record.offset,
+        key=None if record.key is None else record.key.decode("utf-8", errors="replace"),
+        value=text,
+        value_b64=raw,
+        headers={k: v.decode("utf-8", errors="replace") for k, v in (record.headers or ())},
+        consumer_group=group,
+        at=at,
+    )

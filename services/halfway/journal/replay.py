@@ -1,0 +1,94 @@
+"""Replay: read a topic from offset zero to its current end, and fold it.
+
+This is how callers rebuild state without any read model: `await replay(settings)` returns
+every task's state as the fold of its events, exactly as the live services see it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+
+from halfway.contract.topics import JOURNAL, TopicSpec
+from halfway.core.fold import TaskState, apply
+from halfway.journal.records import Delivery, InvalidRecord, decode
+from halfway.settings import KafkaSettings
+
+FETCH_TIMEOUT_MS = 1000
+IDLE_TIMEOUT_S = 30.0  # no progress for this long while behind the end: the broker is gone
+
+
+@dataclass
+class ReplayResult:
+    states: dict[str, TaskState] = field(default_factory=dict)
+    events: int = 0
+    invalid: list[tuple[int, int, str]] = field(default_factory=list)  # partition, offset, why
+
+
+async def read_topic(settings: KafkaSettings, spec: TopicSpec = JOURNAL,
+                     invalid: list[tuple[int, int, str]] | None = None,
+                     ) -> AsyncIterator[Delivery]:
+    """Every valid event of a topic, from the beginning to the end it had when we started.
+
+    Invalid records are skipped (the live consumers dead-letter them) and listed in `invalid`.
+    """
+    topic = spec.name(settings.topic_prefix)
+    partitions = await _partitions(settings.bootstrap, topic)
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap, group_id=None,
+                                enable_auto_commit=False, isolation_level="read_committed")
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        end = await consumer.end_offsets(tps)
+        behind = {tp for tp in tps if await consumer.position(tp) < end[tp]}
+        progress_at = time.monotonic()
+        while behind:
+            batches = await consumer.getmany(*behind, timeout_ms=FETCH_TIMEOUT_MS)
+            for tp, records in batches.items():
+                for record in records:
+                    if record.offset >= end[tp]:
+                        break  # written after we started: not part of this replay
+                    try:
+                        yield Delivery(decode(record), record.topic, record.partition,
+                                       record.offset)
+                    except InvalidRecord as exc:
+                        if invalid is not None:
+                            invalid.append((record.partition, record.offset, exc.reason))
+            if batches:
+                progress_at = time.monotonic()
+            elif time.monotonic() - progress_at > IDLE_TIMEOUT_S:
+                raise TimeoutError(f"replay of {topic} made no progress for {IDLE_TIMEOUT_S} s")
+            # Positions, not record offsets: transaction markers take offsets too.
+            behind = {tp for tp in behind if await consumer.position(tp) < end[tp]}
+    finally:
+        await consumer.stop()
+
+
+async def replay(settings: KafkaSettings, spec: TopicSpec = JOURNAL) -> ReplayResult:
+    """Fold a whole topic into per-task states."""
+    result = ReplayResult()
+    async for delivery in read_topic(settings, spec, result.invalid):
+        event = delivery.event
+        state = result.states.get(event.task_id) or TaskState(task_id=event.task_id)
+        result.states[event.task_id] = apply(state, event)
+        result.events += 1
+    return result
+
+
+async def _partitions(bootstrap: str, topic: str) -> set[int]:
+    # The consumer's own metadata only covers subscribed topics; ask the cluster.
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        (described,) = await admin.describe_topics([topic])
+    finally:
+        await admin.close()
+    if described["error_code"] != 0 or not described["partitions"]:
+        raise LookupError(f"topic {topic} does not exist (error {described['error_code']})")
+    return {p["partition"] for p in described["partitions"]}

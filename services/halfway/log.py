@@ -1,0 +1,65 @@
+"""Logging: structlog, JSON lines, with task and step ids bound wherever they are known.
+
+In a terminal the same events render for people; anywhere else (services, CI) one JSON object
+per line. `bound(task_id=..., step_id=...)` binds ids for everything logged inside it,
+including by code that does not know them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import structlog
+
+_configured = False
+
+
+def configure(*, json: bool | None = None, level: str | None = None) -> None:
+    """Configure structlog and the stdlib root logger (aiokafka logs through it) once."""
+    global _configured
+    if json is None:
+        json = os.environ.get("HALFWAY_LOG_FORMAT", "").lower() == "json" or not sys.stderr.isatty()
+    level_no = logging.getLevelName((level or os.environ.get("HALFWAY_LOG_LEVEL", "INFO")).upper())
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    renderer: Any = (structlog.processors.JSONRenderer() if json
+                     else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()))
+    structlog.configure(
+        processors=[*shared, structlog.processors.format_exc_info, renderer] if json
+        else [*shared, renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(level_no),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    # Libraries log through the stdlib: route them through the same renderer.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+    ))
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(max(level_no, logging.WARNING) if level is None else level_no)
+    _configured = True
+
+
+def get(name: str | None = None, **bound: Any) -> structlog.typing.FilteringBoundLogger:
+    if not _configured:
+        configure()
+    logger = structlog.get_logger(name) if name else structlog.get_logger()
+    return logger.bind(**bound) if bound else logger
+
+
+@contextmanager
+def bound(**ids: Any) -> Iterator[None]:
+    """Bind ids (task_id, step_id, ...) to every log line written inside the block."""
+    with structlog.contextvars.bound_contextvars(**{k: v for k, v in ids.items() if v}):
+        yield

@@ -1,0 +1,47 @@
+"""Shared fixtures. Tests marked `broker` use the real Kafka broker and PostgreSQL.
+
+`infra/dev test` starts both before pytest runs; a bare `pytest` starts them here (it is a
+no-op when they run). When they cannot be started the tests fail, never skip.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+
+from halfway.contract.topics import ALL_TOPICS
+from halfway.journal import JournalWriter, ensure_topics
+from halfway.settings import KafkaSettings
+
+
+@pytest.fixture(scope="session")
+def infrastructure() -> None:
+    from halfway.infra import kafka, postgres
+
+    for component in (kafka, postgres):
+        if not component.is_external():
+            component.up()  # raises InfraError, failing the test, when it cannot start
+
+
+@pytest.fixture(scope="session")
+def kafka_settings(infrastructure: None) -> KafkaSettings:
+    # A fresh topic prefix per test session: tests never see records of an earlier run.
+    base = KafkaSettings.from_env()
+    return KafkaSettings(bootstrap=base.bootstrap,
+                         topic_prefix=f"test-{uuid.uuid4().hex[:8]}.",
+                         replication_factor=base.replication_factor)
+
+
+@pytest.fixture(scope="session")
+async def topics(kafka_settings: KafkaSettings) -> KafkaSettings:
+    created = await ensure_topics(kafka_settings, ALL_TOPICS)
+    assert len(created) == len(ALL_TOPICS)
+    return kafka_settings
+
+
+@pytest.fixture(scope="session")
+async def writer(topics: KafkaSettings) -> AsyncIterator[JournalWriter]:
+    async with JournalWriter(topics) as w:
+        yield w
