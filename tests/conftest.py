@@ -13,6 +13,7 @@ import pytest
 
 from halfway.contract.topics import ALL_TOPICS
 from halfway.journal import JournalWriter, ensure_topics
+from halfway.journal.admin import delete_topics
 from halfway.settings import KafkaSettings
 
 
@@ -35,10 +36,11 @@ def kafka_settings(infrastructure: None) -> KafkaSettings:
 
 
 @pytest.fixture(scope="session")
-async def topics(kafka_settings: KafkaSettings) -> KafkaSettings:
+async def topics(kafka_settings: KafkaSettings) -> AsyncIterator[KafkaSettings]:
     created = await ensure_topics(kafka_settings, ALL_TOPICS)
     assert len(created) == len(ALL_TOPICS)
-    return kafka_settings
+    yield kafka_settings
+    await delete_topics(kafka_settings, ALL_TOPICS)  # a shared dev broker does not fill up
 
 
 @pytest.fixture(scope="session")

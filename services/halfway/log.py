@@ -19,6 +19,17 @@ import structlog
 _configured = False
 
 
+class _Stderr:
+    """Whatever sys.stderr is at the time of writing (pytest swaps it; a fixed handle would
+    outlive the capture it points at)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure(*, json: bool | None = None, level: str | None = None) -> None:
     """Configure structlog and the stdlib root logger (aiokafka logs through it) once."""
     global _configured
@@ -36,11 +47,11 @@ def configure(*, json: bool | None = None, level: str | None = None) -> None:
         processors=[*shared, structlog.processors.format_exc_info, renderer] if json
         else [*shared, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(level_no),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=True,
     )
     # Libraries log through the stdlib: route them through the same renderer.
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(_Stderr())  # type: ignore[arg-type]
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
         foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],

@@ -40,10 +40,8 @@ class KafkaSettings:
 
     @classmethod
     def from_env(cls) -> KafkaSettings:
-        from halfway.contract.topics import topic_prefix
-
         return cls(
             bootstrap=kafka_bootstrap(),
-            topic_prefix=topic_prefix(),
+            topic_prefix=os.environ.get("HALFWAY_TOPIC_PREFIX", "halfway."),
             replication_factor=int(os.environ.get("HALFWAY_REPLICATION_FACTOR", "1")),
         )

@@ -2,13 +2,12 @@
 
 Journal topics keep everything: `cleanup.policy=delete` with infinite retention, never
 compaction, because replay needs the whole history. Only derived latest-state topics may be
-compacted. Topic names carry a prefix (env `HALFWAY_TOPIC_PREFIX`, default `halfway.`) so tests
-and several deployments can share one cluster without seeing each other's records.
+compacted. Topic names carry a prefix (`halfway.` unless settings say otherwise) so tests and
+several deployments can share one cluster without seeing each other's records.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 KEEP_FOREVER = {"cleanup.policy": "delete", "retention.ms": "-1", "retention.bytes": "-1"}
@@ -22,12 +21,8 @@ class TopicSpec:
     configs: dict[str, str] = field(default_factory=dict)
     about: str = ""
 
-    def name(self, prefix: str | None = None) -> str:
-        return (topic_prefix() if prefix is None else prefix) + self.suffix
-
-
-def topic_prefix() -> str:
-    return os.environ.get("HALFWAY_TOPIC_PREFIX", "halfway.")
+    def name(self, prefix: str = "halfway.") -> str:
+        return prefix + self.suffix
 
 
 # Partition counts bound how many instances of a service share the work; 6 divides evenly

@@ -43,3 +43,16 @@ async def ensure_topics(settings: KafkaSettings,
         return created
     finally:
         await admin.close()
+
+
+async def delete_topics(settings: KafkaSettings, specs: tuple[TopicSpec, ...] = ALL_TOPICS) -> None:
+    """Delete a prefix's topics: for tests and benchmarks that made their own, never journals
+    in use (there is no undo)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap)
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        names = [s.name(settings.topic_prefix) for s in specs]
+        await admin.delete_topics([n for n in names if n in existing], timeout_ms=CREATE_TIMEOUT_MS)
+    finally:
+        await admin.close()

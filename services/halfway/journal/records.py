@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import base64
-from datetime import datetime
 from dataclasses import dataclass
+from datetime import datetime
 
 from aiokafka.structs import ConsumerRecord
 from pydantic import ValidationError

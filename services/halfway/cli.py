@@ -1,0 +1,109 @@
+"""`halfway`: the command line for operators and for the README's commands.
+
+Thin: each command parses its options, calls one function, prints the result. `--json` prints
+one JSON object for scripts; otherwise lines for people.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from enum import StrEnum
+from typing import Annotated
+
+import typer
+
+from halfway import log
+from halfway.settings import KafkaSettings
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="halfway: a journaled effects harness for AI agents, on Kafka.")
+
+
+class Component(StrEnum):
+    ALL = "all"
+    KAFKA = "kafka"
+    POSTGRES = "postgres"
+
+
+def _infra(action: str, component: Component) -> None:
+    from halfway.infra.__main__ import main as infra_main
+
+    code = infra_main([action, component.value])
+    if code:
+        raise typer.Exit(code)
+
+
+@app.command()
+def up(component: Annotated[Component, typer.Argument()] = Component.ALL) -> None:
+    """Start the local Kafka broker and PostgreSQL (a no-op when they run)."""
+    _infra("up", component)
+
+
+@app.command()
+def down(component: Annotated[Component, typer.Argument()] = Component.ALL) -> None:
+    """Stop the local Kafka broker and PostgreSQL."""
+    _infra("down", component)
+
+
+@app.command()
+def status(component: Annotated[Component, typer.Argument()] = Component.ALL) -> None:
+    """Show whether the local Kafka broker and PostgreSQL run."""
+    _infra("status", component)
+
+
+@app.command()
+def topics() -> None:
+    """Create halfway's topics with their configs (existing ones are left as they are)."""
+    from halfway.journal import ensure_topics
+
+    created = asyncio.run(ensure_topics(KafkaSettings.from_env()))
+    typer.echo(f"created {len(created)} topics" + (f": {', '.join(created)}" if created else ""))
+
+
+class Demo(StrEnum):
+    JOURNAL = "journal"
+
+
+@app.command()
+def demo(name: Annotated[Demo, typer.Argument()] = Demo.JOURNAL,
+         as_json: Annotated[bool, typer.Option("--json", help="one JSON object")] = False) -> None:
+    """Run a demo against the real broker."""
+    from halfway.demo import journal_tour
+
+    log.configure()
+    result = asyncio.run(journal_tour.run(KafkaSettings.from_env()))
+    if as_json:
+        typer.echo(json.dumps(result.as_json(), default=str))
+    else:
+        typer.echo("\n".join(result.lines))
+    if not result.replay_equal:
+        raise typer.Exit(1)
+
+
+@app.command()
+def replay(task: Annotated[str | None, typer.Option(help="only this task")] = None,
+           as_json: Annotated[bool, typer.Option("--json", help="one JSON object")] = False,
+           ) -> None:
+    """Rebuild every task's state from the journal alone, and print it."""
+    from halfway.journal import replay as replay_journal
+    from halfway.render import step_line, task_summary
+
+    log.configure()
+    result = asyncio.run(replay_journal(KafkaSettings.from_env()))
+    states = [s for t, s in sorted(result.states.items()) if task in (None, t)]
+    if as_json:
+        typer.echo(json.dumps({"events": result.events, "invalid": len(result.invalid),
+                               "tasks": [task_summary(s) for s in states]}, default=str))
+        return
+    for state in states:
+        typer.echo(f"{state.task_id}: {state.final_state or state.status}")
+        for step in state.steps.values():
+            typer.echo(f"  {step.step_id}  {step_line(step)}")
+    typer.echo(f"{result.events} events, {len(result.invalid)} invalid, {len(states)} tasks",
+               err=not sys.stdout.isatty())
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,1 @@
+"""Demos that run on the real broker: `halfway demo NAME`."""
