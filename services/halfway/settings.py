@@ -1,35 +1,72 @@
 """Where things are: the one place that reads halfway's environment variables.
 
-The local setup (`infra/dev`), the tests and docker-compose.yml all configure the services
-through these same variables.
+The local setup (`infra/dev`, `halfway.infra`), the tests and docker-compose.yml all configure
+the services through these same variables.
 """
 
 from __future__ import annotations
 
 import os
+import urllib.parse
 from dataclasses import dataclass
 
+HOST = "127.0.0.1"
 DEFAULT_KAFKA_PORT = 19092
+DEFAULT_KAFKA_CONTROLLER_PORT = 19093
 DEFAULT_PG_PORT = 15432
+PG_USER = "postgres"
+PG_DATABASE = "halfway"
+
+
+def _port(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        port = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise ValueError(f"{name}={port} is outside 1..65535")
+    return port
 
 
 def kafka_port() -> int:
-    return int(os.environ.get("HALFWAY_KAFKA_PORT", DEFAULT_KAFKA_PORT))
+    return _port("HALFWAY_KAFKA_PORT", DEFAULT_KAFKA_PORT)
+
+
+def kafka_controller_port() -> int:
+    return _port("HALFWAY_KAFKA_CONTROLLER_PORT", DEFAULT_KAFKA_CONTROLLER_PORT)
+
+
+def kafka_is_external() -> bool:
+    """`HALFWAY_KAFKA_BOOTSTRAP` names a broker someone else runs: never start or stop one."""
+    return bool(os.environ.get("HALFWAY_KAFKA_BOOTSTRAP"))
 
 
 def kafka_bootstrap() -> str:
-    """`HALFWAY_KAFKA_BOOTSTRAP` names an external broker; else the local one on its port."""
-    return os.environ.get("HALFWAY_KAFKA_BOOTSTRAP") or f"127.0.0.1:{kafka_port()}"
+    """Where clients connect: `HALFWAY_KAFKA_BOOTSTRAP` if set, else the local broker."""
+    return os.environ.get("HALFWAY_KAFKA_BOOTSTRAP") or f"{HOST}:{kafka_port()}"
 
 
 def pg_port() -> int:
-    return int(os.environ.get("HALFWAY_PG_PORT", DEFAULT_PG_PORT))
+    return _port("HALFWAY_PG_PORT", DEFAULT_PG_PORT)
 
 
-def pg_dsn(database: str = "halfway") -> str:
-    """`HALFWAY_PG_DSN` names an external PostgreSQL; else the local private cluster."""
-    return (os.environ.get("HALFWAY_PG_DSN")
-            or f"postgresql://postgres@127.0.0.1:{pg_port()}/{database}")
+def pg_is_external() -> bool:
+    """`HALFWAY_PG_DSN` names a database someone else runs: never start or stop one."""
+    return bool(os.environ.get("HALFWAY_PG_DSN"))
+
+
+def pg_dsn(database: str = PG_DATABASE) -> str:
+    """The DSN of `database`: `HALFWAY_PG_DSN` if set (with its database replaced when another
+    one is asked for), else the local private cluster, superuser over trust auth."""
+    external = os.environ.get("HALFWAY_PG_DSN")
+    if external:
+        if database == PG_DATABASE:
+            return external
+        return urllib.parse.urlsplit(external)._replace(path=f"/{database}").geturl()
+    return f"postgresql://{PG_USER}@{HOST}:{pg_port()}/{database}"
 
 
 @dataclass(frozen=True, slots=True)
