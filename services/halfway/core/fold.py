@@ -84,6 +84,7 @@ class EffectState:
     unknowns: tuple[Settlement, ...] = ()  # every unknown seen, in log order
     contradictions: tuple[Settlement, ...] = ()
     last_check: StepChecked | None = None
+    checks: int = 0  # lookups that found nothing, for the backoff schedule
 
     @property
     def outcome(self) -> Outcome | None:
@@ -137,7 +138,15 @@ class EffectState:
         # older check must not move "next check at" backwards.
         if self.last_check is not None and event.at <= self.last_check.at:
             return self
-        return replace(self, last_check=event)
+        return replace(self, last_check=event, checks=self.checks + 1)
+
+    @property
+    def needs_attention(self) -> bool:
+        """Unknown, and the harness has said it will not check again: a person must decide."""
+        check = self.last_check
+        return (self.status in (StepStatus.UNKNOWN, StepStatus.IN_FLIGHT)
+                and check is not None and check.next_check_at is None
+                and (self.settlement is None or check.at >= self.settlement.at))
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +194,11 @@ class TaskState:
 
     def step(self, n: int) -> StepState | None:
         return self.steps.get(n)
+
+    @property
+    def needs_attention(self) -> bool:
+        return any(step.effect.needs_attention or step.undo.needs_attention
+                   for step in self.steps.values())
 
     @property
     def next_step_n(self) -> int:

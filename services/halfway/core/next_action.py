@@ -1,0 +1,181 @@
+"""next_action: what to do next with one step. Pure: the caller passes the clock.
+
+Theory of operation
+-------------------
+The executor calls `next_action(step, policy, now)` for every step it does not have a call in
+flight for, whenever the step's events change or a timer it was given fires. The answer depends
+only on the journal (the fold) and the tool's policy, so any executor instance, restarted at any
+point, makes the same move.
+
+- A settled step (`done`, `not_done`) is replayed, never re-run: `Nothing`.
+- A step never attempted is called: `Call(1)`. The attempt is journaled before it is sent.
+- An attempt with no settlement, seen by an executor that is not running it, is a crash mid-call
+  (or a lost owner after a rebalance): it is settled `unknown` first (`SettleUnknown`), so users
+  see the truth, then handled like any unknown. Reads have no effect, so they are just retried.
+- An unknown step is looked up first (`Lookup`): a lookup after the last unknown, and only
+  then a retry. A retry is sent only with the same key, only for `keyed` or `idempotent` tools,
+  only while the key is alive for the whole attempt (`now + timeout_s` before the provider
+  forgets the key, less a margin), and only within `attempts_max`. `unkeyed` tools are never
+  retried.
+- When a lookup found nothing, the next move waits for the check's `next_check_at` (the
+  schedule of lookups, `plan_check`), and then retries (if a retry is still safe) or looks up
+  again. When the schedule is exhausted and no safe retry is left, the step stays unknown and
+  needs an operator (`Escalate`); it is never rounded to failure.
+- Reads are never unknown: a read that fails is retried up to `read_attempts_max` times, then
+  settled `not_done` (a read that did not happen changed nothing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from halfway.contract import EffectClass, Outcome
+from halfway.core.fold import EffectState
+
+# Delays between lookups of one unknown effect, by how many checks were made before: fast at
+# first (a slow provider usually lands within seconds), then backing off to ten minutes.
+CHECK_DELAYS_S: tuple[float, ...] = (0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
+CRASH_REASON = "the harness stopped while the call was in flight; it may have happened"
+
+
+@dataclass(frozen=True, slots=True)
+class StepPolicy:
+    """The facts of a tool that decide what may be done with its steps (from its ToolSpec)."""
+
+    effect_class: EffectClass
+    timeout_s: float
+    key_ttl_s: float | None = None  # keyed tools: how long the provider remembers our key
+    key_ttl_margin_s: float = 60.0
+    has_lookup: bool = True
+    attempts_max: int = 10
+    read_attempts_max: int = 3
+    lookup_window_s: float = 86_400.0  # after the first attempt; then lookups stop
+    check_delays_s: tuple[float, ...] = CHECK_DELAYS_S
+
+    def __post_init__(self) -> None:
+        assert self.effect_class is not EffectClass.KEYED or self.key_ttl_s, "keyed needs a ttl"
+        assert self.attempts_max >= 1 and self.read_attempts_max >= 1
+        assert self.check_delays_s, "a schedule of lookups needs at least one delay"
+
+
+@dataclass(frozen=True, slots=True)
+class Nothing:
+    """Settled: replay the outcome, act no more."""
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """Send attempt `attempt` (journal it first), with the step's one key."""
+
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class SettleUnknown:
+    """An attempt nobody is running has no settlement: journal it `unknown`."""
+
+    attempt: int
+    reason: str = CRASH_REASON
+
+
+@dataclass(frozen=True, slots=True)
+class SettleNotDone:
+    """Give up on a read: it had no effect, so `not_done` is the truth."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """Ask the provider whether the effect named by our key exists."""
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Nothing to do before `until`; ask again then."""
+
+    until: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Escalate:
+    """Unknown, no lookup left, no safe retry: an operator must resolve it."""
+
+    reason: str
+
+
+Action = Nothing | Call | SettleUnknown | SettleNotDone | Lookup | Wait | Escalate
+
+
+def next_action(effect: EffectState, policy: StepPolicy, now: datetime) -> Action:
+    if effect.outcome in (Outcome.DONE, Outcome.NOT_DONE):
+        return Nothing()
+    if not effect.attempts:
+        return Call(1)
+    last = effect.attempts[-1]
+    if policy.effect_class is EffectClass.READ:
+        return _next_read(effect, policy)
+    if last.attempt not in effect.attempts_settled:
+        return SettleUnknown(last.attempt)
+
+    # Unknown. Look it up before anything else, once per unknown attempt.
+    assert effect.settlement is not None and effect.settlement.outcome is Outcome.UNKNOWN
+    check = effect.last_check
+    looked_up = check is not None and check.at >= effect.settlement.at
+    if policy.has_lookup and not looked_up:
+        return Lookup()
+
+    retry_why_not = _why_no_retry(effect, policy, now)
+    if not policy.has_lookup:
+        if retry_why_not:
+            return Escalate(f"no lookup, and {retry_why_not}")
+        due = effect.settlement.at + timedelta(seconds=_delay_s(policy, len(effect.attempts) - 1))
+        return Call(last.attempt + 1) if now >= due else Wait(due)
+
+    assert check is not None
+    due = check.next_check_at
+    if retry_why_not is None:
+        return Call(last.attempt + 1) if due is None or now >= due else Wait(due)
+    if due is None:
+        return Escalate(f"lookups found nothing and {retry_why_not}")
+    return Lookup() if now >= due else Wait(due)
+
+
+def _next_read(effect: EffectState, policy: StepPolicy) -> Action:
+    # Reads change nothing: an unsettled or failed read is simply read again, within a bound.
+    attempts = len(effect.attempts)
+    if attempts < policy.read_attempts_max:
+        return Call(effect.attempts[-1].attempt + 1)
+    reason = effect.settlement.reason if effect.settlement and effect.settlement.reason else ""
+    return SettleNotDone(f"the read failed {attempts} times" + (f": {reason}" if reason else ""))
+
+
+def _why_no_retry(effect: EffectState, policy: StepPolicy, now: datetime) -> str | None:
+    """None if one more attempt with the same key is safe now; else why not, in words."""
+    if policy.effect_class is EffectClass.UNKEYED:
+        return "the provider takes no key, so a retry could do it twice"
+    if len(effect.attempts) >= policy.attempts_max:
+        return f"all {policy.attempts_max} attempts are used"
+    if policy.effect_class is EffectClass.KEYED:
+        assert policy.key_ttl_s is not None
+        first = effect.attempts[0].started_at
+        forgets = first + timedelta(seconds=policy.key_ttl_s - policy.key_ttl_margin_s)
+        if now + timedelta(seconds=policy.timeout_s) > forgets:
+            return "the provider may have forgotten the key, so a retry could do it twice"
+    return None
+
+
+def plan_check(effect: EffectState, policy: StepPolicy, now: datetime) -> datetime | None:
+    """When to look up again after a check that found nothing (None: no more lookups)."""
+    checks_done = effect.checks
+    at = now + timedelta(seconds=_delay_s(policy, checks_done))
+    if effect.attempts:
+        window_ends = effect.attempts[0].started_at + timedelta(seconds=policy.lookup_window_s)
+        if at > window_ends:
+            return None
+    return at
+
+
+def _delay_s(policy: StepPolicy, index: int) -> float:
+    return policy.check_delays_s[min(index, len(policy.check_delays_s) - 1)]

@@ -1,0 +1,107 @@
+"""ToolSpec: what a tool author declares, and the adapter that speaks to the provider.
+
+The rules a tool author must know, in one place:
+
+- **effect_class** says what repeating a call does. `read`: nothing (retried within
+  `read_attempts_max`, never unknown). `idempotent`: repeating is naturally safe. `keyed`: the
+  provider dedupes by our idempotency key for `key_ttl_s` seconds after the first request, so a
+  retry with the same key inside that window cannot make a second effect; after it, no retry is
+  ever sent, only lookups. `unkeyed`: no key, so at most one request is ever sent.
+- **key_ttl_s** is how long the provider remembers a key (Stripe: 24 h). The executor stops
+  retrying `key_ttl_margin_s` before it runs out, because a retry that arrives after the
+  provider forgot the key is a new request.
+- **timeout_s** is how long one attempt may take before its outcome is unknown.
+- **subject(args)** names the business object the call touches (`invoice:INV-2291`).
+- **lookup** (on the adapter) asks the provider whether the effect named by our key exists. A
+  tool without a lookup can only be settled by its reply, a webhook or an operator.
+
+The adapter never decides outcomes: it reports what it saw (a result with evidence, or a
+`CallFailure`), and the pure core classifies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pydantic import BaseModel
+
+from halfway.contract import EffectClass, SagaRole
+from halfway.core.classify import CallFailure
+
+
+@dataclass(frozen=True, slots=True)
+class Succeeded:
+    """The provider did it; `evidence` is what proves it (ids, amounts, references)."""
+
+    evidence: dict[str, Any]
+    replayed: bool = False  # the provider answered from its idempotency store
+
+
+CallResult = Succeeded | CallFailure
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """A lookup found the effect and its final state."""
+
+    evidence: dict[str, Any]
+    succeeded: bool = True  # False: found, and it failed (e.g. a declined charge): proof of not_done
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class NotFound:
+    """A lookup found nothing (yet): not proof of anything on its own."""
+
+    detail: str = "nothing with this key yet"
+
+
+@dataclass(frozen=True, slots=True)
+class LookupFailed:
+    """The lookup itself failed (timeout, 5xx): it says nothing about the effect."""
+
+    detail: str
+
+
+LookupResult = Found | NotFound | LookupFailed
+
+
+@dataclass(frozen=True, slots=True)
+class CallContext:
+    """What the harness hands an adapter for one attempt."""
+
+    step_id: str
+    key: str  # send it with every attempt, in every place the provider accepts it
+    attempt: int
+    timeout_s: float
+
+
+class Adapter(Protocol):
+    async def call(self, args: BaseModel, ctx: CallContext) -> CallResult: ...
+
+    async def lookup(self, args: BaseModel, ctx: CallContext) -> LookupResult: ...
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    name: str
+    description: str
+    args_model: type[BaseModel]
+    effect_class: EffectClass
+    timeout_s: float
+    subject: Callable[[BaseModel], str | None] = lambda _args: None
+    key_ttl_s: float | None = None  # required for keyed tools
+    key_ttl_margin_s: float = 60.0
+    has_lookup: bool = True
+    read_attempts_max: int = 3
+    attempts_max: int = 10  # every retry loop has a bound
+    saga_role: SagaRole | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.effect_class is EffectClass.KEYED and not self.key_ttl_s:
+            raise ValueError(f"tool {self.name}: a keyed tool must declare key_ttl_s")
+        if self.timeout_s <= 0:
+            raise ValueError(f"tool {self.name}: timeout_s must be positive")
