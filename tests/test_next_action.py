@@ -80,7 +80,8 @@ def test_no_retry_once_the_key_may_be_forgotten_only_lookups(s: Stamper) -> None
     log.append(StepChecked(**s.stamp() | {"at": late}, step_id="renewal-8812:1",
                            next_check_at=None))
     action = next_action(effect_of(log), KEYED, late)
-    assert isinstance(action, Escalate) and "forgotten the key" in action.reason
+    assert isinstance(action, Escalate)
+    assert "forgotten the key" in action.reason
     assert fold(log).needs_attention
 
 
@@ -91,7 +92,8 @@ def test_unkeyed_is_never_retried(s: Stamper) -> None:
     assert next_action(effect_of(log), policy, s.now + S) == Lookup()
     no_lookup = StepPolicy(EffectClass.UNKEYED, timeout_s=5, has_lookup=False)
     action = next_action(effect_of(log[:4]), no_lookup, s.now)
-    assert isinstance(action, Escalate) and "takes no key" in action.reason
+    assert isinstance(action, Escalate)
+    assert "takes no key" in action.reason
 
 
 def test_without_lookup_a_keyed_step_retries_after_a_backoff(s: Stamper) -> None:
@@ -109,7 +111,8 @@ def test_attempts_are_bounded(s: Stamper) -> None:
         log += [s.attempted(1, n), s.settled(1, Outcome.UNKNOWN, attempt=n)]
     log.append(checked(s, None))
     action = next_action(effect_of(log), policy, s.now)
-    assert isinstance(action, Escalate) and "2 attempts" in action.reason
+    assert isinstance(action, Escalate)
+    assert "2 attempts" in action.reason
 
 
 def test_reads_are_retried_within_limits_then_not_done_never_unknown(s: Stamper) -> None:
@@ -118,7 +121,8 @@ def test_reads_are_retried_within_limits_then_not_done_never_unknown(s: Stamper)
     assert next_action(effect_of(log), policy, s.now) == Call(2)
     log.append(s.attempted(1, 2))
     action = next_action(effect_of(log), policy, s.now)
-    assert isinstance(action, SettleNotDone) and "2 times" in action.reason
+    assert isinstance(action, SettleNotDone)
+    assert "2 times" in action.reason
 
 
 def test_the_check_schedule_backs_off_and_ends(s: Stamper) -> None:
@@ -152,7 +156,7 @@ class Provider:
         self.requests.append((key, self.now))
         known = self.keys.get(key)
         if known and self.now < known[0] + timedelta(seconds=self.key_ttl_s):
-            first, done_at, saved = known
+            _first, done_at, saved = known
             if self.now < done_at:
                 return Replied(409, "idempotency_key_in_use")
             return saved

@@ -55,7 +55,8 @@ class StepPolicy:
 
     def __post_init__(self) -> None:
         assert self.effect_class is not EffectClass.KEYED or self.key_ttl_s, "keyed needs a ttl"
-        assert self.attempts_max >= 1 and self.read_attempts_max >= 1
+        assert self.attempts_max >= 1
+        assert self.read_attempts_max >= 1
         assert self.check_delays_s, "a schedule of lookups needs at least one delay"
 
 
@@ -120,7 +121,8 @@ def next_action(effect: EffectState, policy: StepPolicy, now: datetime) -> Actio
         return SettleUnknown(last.attempt)
 
     # Unknown. Look it up before anything else, once per unknown attempt.
-    assert effect.settlement is not None and effect.settlement.outcome is Outcome.UNKNOWN
+    assert effect.settlement is not None
+    assert effect.settlement.outcome is Outcome.UNKNOWN
     check = effect.last_check
     looked_up = check is not None and check.at >= effect.settlement.at
     if policy.has_lookup and not looked_up:

@@ -47,7 +47,8 @@ class Found:
     """A lookup found the effect and its final state."""
 
     evidence: dict[str, Any]
-    succeeded: bool = True  # False: found, and it failed (e.g. a declined charge): proof of not_done
+    # False: found, and it failed (e.g. a declined charge): proof of not_done.
+    succeeded: bool = True
     reason: str = ""
 
 
