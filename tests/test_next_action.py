@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from halfway.contract import EffectClass, Event, Outcome, SettlementSource, StepChecked
-from halfway.core import fold
+from halfway.core import StepStatus, fold
 from halfway.core.classify import ConnectionLost, NotSent, Replied, TimedOut, classify
 from halfway.core.next_action import (
     Call,
@@ -76,13 +76,15 @@ def test_no_retry_once_the_key_may_be_forgotten_only_lookups(s: Stamper) -> None
     first = log[2].started_at
     late = first + timedelta(seconds=86_400 - 60 - 5) + S  # the attempt could outlive the key
     log.append(checked(s, late))
+    assert next_action(effect_of(log), KEYED, late - S) == Wait(late)
     assert next_action(effect_of(log), KEYED, late) == Lookup()
+    # When lookups run out too, the executor journals a check with no next one: the step is
+    # unknown, needs an operator, and the harness makes no further move on its own.
     log.append(StepChecked(**s.stamp() | {"at": late}, step_id="renewal-8812:1",
                            next_check_at=None))
-    action = next_action(effect_of(log), KEYED, late)
-    assert isinstance(action, Escalate)
-    assert "forgotten the key" in action.reason
     assert fold(log).needs_attention
+    assert fold(log).step(1).status is StepStatus.UNKNOWN
+    assert next_action(effect_of(log), KEYED, late + S) == Nothing()
 
 
 def test_unkeyed_is_never_retried(s: Stamper) -> None:
@@ -105,12 +107,11 @@ def test_without_lookup_a_keyed_step_retries_after_a_backoff(s: Stamper) -> None
 
 
 def test_attempts_are_bounded(s: Stamper) -> None:
-    policy = StepPolicy(EffectClass.IDEMPOTENT, timeout_s=5, attempts_max=2)
+    policy = StepPolicy(EffectClass.IDEMPOTENT, timeout_s=5, attempts_max=2, has_lookup=False)
     log = [s.started(), s.intended(1)]
     for n in (1, 2):
         log += [s.attempted(1, n), s.settled(1, Outcome.UNKNOWN, attempt=n)]
-    log.append(checked(s, None))
-    action = next_action(effect_of(log), policy, s.now)
+    action = next_action(effect_of(log), policy, s.now + 60 * S)
     assert isinstance(action, Escalate)
     assert "2 attempts" in action.reason
 

@@ -15,6 +15,7 @@ from typing import Annotated
 import typer
 
 from halfway import log
+from halfway.serve import Service
 from halfway.settings import KafkaSettings
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -63,23 +64,50 @@ def topics() -> None:
 
 
 class Demo(StrEnum):
+    RENEWAL = "renewal"
     JOURNAL = "journal"
 
 
 @app.command()
-def demo(name: Annotated[Demo, typer.Argument()] = Demo.JOURNAL,
+def demo(name: Annotated[Demo, typer.Argument()] = Demo.RENEWAL,
          as_json: Annotated[bool, typer.Option("--json", help="one JSON object")] = False) -> None:
-    """Run a demo against the real broker."""
-    from halfway.demo import journal_tour
+    """Run a demo against the real broker: the renewal (default), or the journal tour."""
+    log.configure(level="WARNING")
+    settings = KafkaSettings.from_env()
+    if name is Demo.JOURNAL:
+        from halfway.demo import journal_tour
 
-    log.configure()
-    result = asyncio.run(journal_tour.run(KafkaSettings.from_env()))
-    if as_json:
-        typer.echo(json.dumps(result.as_json(), default=str))
+        result = asyncio.run(journal_tour.run(settings))
+        typer.echo(json.dumps(result.as_json(), default=str) if as_json
+                   else "\n".join(result.lines))
+        ok = result.replay_equal
     else:
-        typer.echo("\n".join(result.lines))
-    if not result.replay_equal:
+        from halfway.demo import renewal
+
+        ours, naive = asyncio.run(renewal.run(settings))
+        typer.echo(json.dumps(renewal.as_json(ours, naive), default=str) if as_json
+                   else renewal.as_text(ours, naive))
+        ok = renewal.verdict_ok(ours)
+    if not ok:
         raise typer.Exit(1)
+
+
+@app.command()
+def run(service: Annotated[Service, typer.Argument(help="which service")]) -> None:
+    """Run a service (decider or executor) until SIGTERM."""
+    from halfway.serve import serve
+
+    asyncio.run(serve(service))
+
+
+@app.command()
+def sim(port: Annotated[int, typer.Option(help="0 picks a free port")] = 18080,
+        key_ttl_s: Annotated[float, typer.Option(help="how long keys are remembered")] = 86400.0,
+        ) -> None:
+    """Run the payment provider simulator (Stripe-like) until stopped."""
+    from halfway.simulators import payments
+
+    raise typer.Exit(payments.main(["--port", str(port), "--key-ttl-s", str(key_ttl_s)]))
 
 
 @app.command()

@@ -82,3 +82,18 @@ class KafkaSettings:
             topic_prefix=os.environ.get("HALFWAY_TOPIC_PREFIX", "halfway."),
             replication_factor=int(os.environ.get("HALFWAY_REPLICATION_FACTOR", "1")),
         )
+
+
+def paysim_url() -> str:
+    """The payment provider the `charge_customer` tool talks to (the simulator by default)."""
+    return os.environ.get("HALFWAY_PAYSIM_URL", f"http://{HOST}:18080")
+
+
+def charge_timeout_s() -> float:
+    """How long one charge attempt may take before its outcome is unknown."""
+    return float(os.environ.get("HALFWAY_CHARGE_TIMEOUT_S", "5"))
+
+
+def model_call_log() -> str | None:
+    """A file the scripted model appends every question to (shared across processes)."""
+    return os.environ.get("HALFWAY_MODEL_CALL_LOG") or None

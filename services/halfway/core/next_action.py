@@ -62,7 +62,7 @@ class StepPolicy:
 
 @dataclass(frozen=True, slots=True)
 class Nothing:
-    """Settled: replay the outcome, act no more."""
+    """No move for the harness: settled (replay the outcome), or waiting for an operator."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,8 +110,8 @@ Action = Nothing | Call | SettleUnknown | SettleNotDone | Lookup | Wait | Escala
 
 
 def next_action(effect: EffectState, policy: StepPolicy, now: datetime) -> Action:
-    if effect.outcome in (Outcome.DONE, Outcome.NOT_DONE):
-        return Nothing()
+    if effect.outcome in (Outcome.DONE, Outcome.NOT_DONE) or effect.needs_attention:
+        return Nothing()  # settled, or escalated: only an operator moves it now
     if not effect.attempts:
         return Call(1)
     last = effect.attempts[-1]

@@ -13,7 +13,8 @@ from datetime import UTC, datetime
 from types import TracebackType
 from typing import Self
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from aiokafka.structs import ConsumerRecord
 
 from halfway import log
@@ -28,22 +29,37 @@ FETCH_RECORDS_MAX = 500
 
 class EventConsumer:
     def __init__(self, settings: KafkaSettings, *, topics: tuple[TopicSpec, ...], group: str,
-                 writer: JournalWriter) -> None:
+                 writer: JournalWriter, listener: ConsumerRebalanceListener | None = None,
+                 ) -> None:
         self.group = group
+        self._topics = [t.name(settings.topic_prefix) for t in topics]
+        self._listener = listener
         self._writer = writer  # for dead letters
         self._log = log.get("halfway.journal", group=group)
         self._consumer = AIOKafkaConsumer(
-            *(t.name(settings.topic_prefix) for t in topics),
             bootstrap_servers=settings.bootstrap,
             group_id=group,
             enable_auto_commit=False,  # we commit after acting, never before
             auto_offset_reset="earliest",  # a new group reads the journal from the start
             isolation_level="read_committed",
+            # Range assignment gives one instance the same partition number of every topic:
+            # the tasks topic and the journal are both keyed by task id, so one instance sees
+            # a task's request and its journal.
+            partition_assignment_strategy=(RangePartitionAssignor,),
         )
         self.dead_lettered = 0
 
+    @property
+    def kafka(self) -> AIOKafkaConsumer:
+        """The underlying consumer, for positions and seeks in a rebalance listener."""
+        return self._consumer
+
     async def start(self) -> None:
         await self._consumer.start()
+        if self._listener is None:
+            self._consumer.subscribe(self._topics)
+        else:
+            self._consumer.subscribe(self._topics, listener=self._listener)
 
     async def stop(self) -> None:
         await self._consumer.stop()
@@ -59,13 +75,20 @@ class EventConsumer:
     async def deliveries(self) -> AsyncIterator[Delivery]:
         """Valid events in log order per partition, forever."""
         while True:
-            batches = await self._consumer.getmany(timeout_ms=FETCH_TIMEOUT_MS,
-                                                   max_records=FETCH_RECORDS_MAX)
-            for records in batches.values():
-                for record in records:
-                    delivery = await self._accept(record)
-                    if delivery is not None:
-                        yield delivery
+            for delivery in await self.batch():
+                yield delivery
+
+    async def batch(self, timeout_ms: int = FETCH_TIMEOUT_MS) -> list[Delivery]:
+        """The valid events of one fetch (possibly none), invalid ones dead-lettered."""
+        batches = await self._consumer.getmany(timeout_ms=timeout_ms,
+                                               max_records=FETCH_RECORDS_MAX)
+        out = []
+        for records in batches.values():
+            for record in records:
+                delivery = await self._accept(record)
+                if delivery is not None:
+                    out.append(delivery)
+        return out
 
     async def _accept(self, record: ConsumerRecord) -> Delivery | None:
         try:

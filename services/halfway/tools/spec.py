@@ -29,6 +29,8 @@ from pydantic import BaseModel
 
 from halfway.contract import EffectClass, SagaRole
 from halfway.core.classify import CallFailure
+from halfway.core.decide import ToolFacts
+from halfway.core.next_action import StepPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +102,17 @@ class ToolSpec:
     attempts_max: int = 10  # every retry loop has a bound
     saga_role: SagaRole | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def policy(self) -> StepPolicy:
+        return StepPolicy(
+            effect_class=self.effect_class, timeout_s=self.timeout_s, key_ttl_s=self.key_ttl_s,
+            key_ttl_margin_s=self.key_ttl_margin_s, has_lookup=self.has_lookup,
+            attempts_max=self.attempts_max, read_attempts_max=self.read_attempts_max,
+            **({"lookup_window_s": self.key_ttl_s} if self.key_ttl_s else {}),
+        )
+
+    def facts(self) -> ToolFacts:
+        return ToolFacts(self.name, self.args_model, self.effect_class, self.subject)
 
     def __post_init__(self) -> None:
         if self.effect_class is EffectClass.KEYED and not self.key_ttl_s:

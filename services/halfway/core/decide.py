@@ -1,0 +1,141 @@
+"""decide: the decider's next move for one task. Pure.
+
+Theory of operation
+-------------------
+The decider asks the model only for a step that has not been decided yet, and only when
+nothing blocks the task: every decided step is settled (`done` or `not_done`). A step that is
+intended, in flight or unknown holds the task (the default `on_unknown=wait`): moving on while
+a charge may have happened is how customers pay twice. A step that needs an operator holds the
+task until one resolves it.
+
+Once the model answers, `accept_call` turns its proposal into the fields of `step.intended`:
+the tool must be allowed for the task and known, the arguments must validate against the
+tool's argument model (strictly: `"49.00"` is not an amount in cents), and the key is minted by
+the harness from the step id. The model never names the key. A proposal that fails is refused
+with a reason the model can read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from halfway.contract import EffectClass, FinalState, Outcome, mint_key, step_id
+from halfway.core.fold import StepStatus, TaskState, TaskStatus
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """Ask the model for step `n`."""
+
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    state: FinalState
+    summary: str
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """Nothing to decide until something settles; `reason` says what."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Idle:
+    """Nothing to do: not started, rejected or finished."""
+
+
+TaskMove = Start | Reject | Ask | Finish | Hold | Idle
+
+
+@dataclass(frozen=True, slots=True)
+class ToolFacts:
+    """What the decider needs to know of a tool to place a step (from its ToolSpec)."""
+
+    name: str
+    args_model: type[BaseModel]
+    effect_class: EffectClass
+    subject_of: Any  # Callable[[BaseModel], str | None]
+
+
+def decide(state: TaskState, *, known_tools: set[str], requested: bool,
+           now: datetime) -> TaskMove:
+    if state.status in (TaskStatus.REJECTED, TaskStatus.FINISHED):
+        return Idle()
+    if state.started is None:
+        if not requested:
+            return Idle()
+        assert state.request is not None
+        unknown = sorted(set(state.request.allowed_tools) - known_tools)
+        if unknown:
+            return Reject(f"unknown tools: {', '.join(unknown)}")
+        return Start()
+
+    for step in state.steps.values():
+        if step.effect.needs_attention:
+            return Hold(f"step {step.step_id} is unknown and needs an operator")
+        if step.status in (StepStatus.INTENDED, StepStatus.IN_FLIGHT, StepStatus.UNKNOWN):
+            return Hold(f"step {step.step_id} is {step.status}")
+
+    policy = state.started.policy
+    if policy.deadline is not None and now >= policy.deadline:
+        return Finish(FinalState.FAILED, f"the deadline {policy.deadline:%Y-%m-%d %H:%M}Z passed")
+    if len(state.steps) >= policy.max_steps:
+        return Finish(FinalState.FAILED, f"reached the limit of {policy.max_steps} steps")
+    return Ask(state.next_step_n)
+
+
+def final_state_for(state: TaskState) -> FinalState:
+    """What a task the model says is finished ends as."""
+    last = state.steps[max(state.steps)] if state.steps else None
+    if last is not None and last.outcome is Outcome.NOT_DONE:
+        return FinalState.FAILED
+    return FinalState.SUCCEEDED
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    reason: str
+
+
+def accept_call(state: TaskState, n: int, tool: ToolFacts | None, tool_name: str,
+                args: dict[str, Any]) -> dict[str, Any] | Refused:
+    """The fields of `step.intended` for the model's proposal, or why it is refused."""
+    assert state.started is not None
+    if tool_name not in state.started.allowed_tools:
+        return Refused(f"refused: {tool_name} is not allowed for this task")
+    if tool is None:
+        return Refused(f"refused: there is no tool named {tool_name}")
+    try:
+        parsed = tool.args_model.model_validate(args)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                             for e in exc.errors(include_url=False))
+        return Refused(f"refused: arguments for {tool_name} are invalid: {problems}")
+    sid = step_id(state.task_id, n)
+    return {
+        "step_id": sid,
+        "n": n,
+        "tool": tool_name,
+        "args": parsed.model_dump(mode="json"),  # frozen as first decided, normalised
+        "key": mint_key(sid),
+        "subject": tool.subject_of(parsed),
+        "effect_class": tool.effect_class,
+    }

@@ -1,0 +1,1 @@
+"""The decider: accepts tasks, asks the model for undecided steps, journals decisions."""

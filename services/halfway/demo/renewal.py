@@ -1,0 +1,217 @@
+"""`halfway demo renewal`: the $49 renewal from the essay, on the real broker, twice.
+
+The payment provider (the simulator, its own process) takes 6.2 s to process the first charge;
+both harnesses wait 5 s.
+
+- halfway: the decider journals the decision, the executor journals the attempt, sends it with
+  the key `renewal-…:1`, times out, journals `unknown`, looks the charge up, retries with the
+  same key (the provider answers 409 while the first request is still processing, then
+  replays its saved result) and settles the step `done` with the charge id. One charge.
+- naive: the same call without a key, the timeout treated as an ordinary error, and the model
+  allowed to retry. Two charges.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+
+from halfway.contract import Outcome, TaskRequested
+from halfway.contract.topics import JOURNAL, TASKS
+from halfway.core.fold import StepStatus, TaskState, apply
+from halfway.journal import EventConsumer, JournalWriter, ensure_topics
+from halfway.models import ScriptedModel
+from halfway.render import step_line
+from halfway.serve import Service, run_service
+from halfway.settings import KafkaSettings
+from halfway.tools.payments import PaymentsAdapter, charge_customer_spec
+from halfway.tools.registry import Registry, Tool
+
+PROVIDER_DELAY_S = 6.2
+CLIENT_TIMEOUT_S = 5.0
+TASK_TIMEOUT_S = 120.0
+SIM_START_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Harness:
+    name: str
+    charges: int = 0
+    lines: list[str] = field(default_factory=list)
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    final: str = ""
+
+
+def renewal_request(task_id: str) -> TaskRequested:
+    charge = {"invoice": "INV-2291", "customer": "cus_8812", "amount_cents": 4900,
+              "currency": "usd"}
+    return TaskRequested(
+        event_id=uuid.uuid4().hex, task_id=task_id, at=datetime.now(UTC),
+        # A real model asked again would not say the same thing: "49.00" instead of 4900.
+        input={"script": [{"tool": "charge_customer", "args": charge,
+                           "reask_args": {"amount_cents": "49.00"}}],
+               "summary": "renewed the subscription: $49.00 charged for invoice INV-2291"},
+        allowed_tools=["charge_customer"],
+    )
+
+
+@contextlib.asynccontextmanager
+async def simulator() -> Any:
+    """The payment provider simulator as its own process; yields its URL."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "halfway.simulators.payments", "--port", "0",
+        stdout=asyncio.subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        async with asyncio.timeout(SIM_START_TIMEOUT_S):
+            line = (await proc.stdout.readline()).decode().strip()
+        if not line.startswith("listening on "):
+            raise RuntimeError(f"the simulator did not start: {line!r}")
+        yield line.removeprefix("listening on ")
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            await proc.wait()
+
+
+async def provider(url: str, method: str, path: str, body: Any = None) -> Any:
+    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        response = await client.request(method, path, json=body)
+        response.raise_for_status()
+        return response.json()
+
+
+async def slow_first_charge(url: str) -> None:
+    await provider(url, "POST", "/_sim/reset")
+    await provider(url, "POST", "/_sim/faults", {"rules": [
+        {"match": {"nth": 1}, "times": 1, "action": {"delay_s": PROVIDER_DELAY_S}}]})
+
+
+async def ledger(url: str) -> list[dict[str, Any]]:
+    return (await provider(url, "GET", "/_sim/ledger"))["charges"]
+
+
+async def run_halfway(settings: KafkaSettings, url: str, out: Harness) -> None:
+    await slow_first_charge(url)
+    registry = Registry([Tool(charge_customer_spec(timeout_s=CLIENT_TIMEOUT_S),
+                              PaymentsAdapter(url))])
+    services = [asyncio.create_task(run_service(s, settings, registry, ScriptedModel()))
+                for s in (Service.DECIDER, Service.EXECUTOR)]
+    task_id = f"renewal-{uuid.uuid4().hex[:6]}"
+    started = time.monotonic()
+    try:
+        async with JournalWriter(settings) as writer:
+            await writer.append(renewal_request(task_id), TASKS)
+            out.lines.append(f"{0:5.1f} s  task.requested {task_id}")
+            state = await _follow(settings, writer, task_id, started, out)
+    finally:
+        for service in services:
+            service.cancel()
+        await asyncio.gather(*services, return_exceptions=True)
+        await registry.aclose()
+    out.final = f"{state.final_state}" if state.final_state else f"{state.status}"
+    for step in state.steps.values():
+        states = [u.outcome.value for u in step.effect.unknowns]
+        if step.outcome in (Outcome.DONE, Outcome.NOT_DONE):
+            states.append(step.outcome.value)
+        settlement = step.effect.settlement
+        out.steps.append({"step_id": step.step_id, "key": step.intent.key, "states": states,
+                          "evidence": settlement.evidence if settlement else None,
+                          "attempts": len(step.effect.attempts)})
+    out.charges = len([c for c in await ledger(url) if c.get("customer") == "cus_8812"])
+
+
+async def _follow(settings: KafkaSettings, writer: JournalWriter, task_id: str,
+                  started: float, out: Harness) -> TaskState:
+    state = TaskState(task_id=task_id)
+    shown = ""
+    consumer = EventConsumer(settings, topics=(JOURNAL,), group=f"demo-{task_id}",
+                             writer=writer)
+    async with consumer, asyncio.timeout(TASK_TIMEOUT_S):
+        async for delivery in consumer.deliveries():
+            if delivery.event.task_id != task_id:
+                continue
+            state = apply(state, delivery.event)
+            step = state.step(1)
+            line = step_line(step) if step else delivery.event.type
+            if line != shown or delivery.event.type == "task.finished":
+                elapsed = time.monotonic() - started
+                what = delivery.event.type
+                out.lines.append(f"{elapsed:5.1f} s  {what:<15} "
+                                 + (line if what.startswith("step") else ""))
+                shown = line
+            if state.finished is not None:
+                return state
+    return state
+
+
+async def run_naive(url: str, out: Harness) -> None:
+    """What most agent frameworks do today: an error is an error, and the model retries."""
+    await slow_first_charge(url)
+    started = time.monotonic()
+    params = {"amount": 4900, "currency": "usd", "customer": "cus_naive",
+              "metadata[invoice]": "INV-2291"}
+    async with httpx.AsyncClient(base_url=url, timeout=CLIENT_TIMEOUT_S) as client:
+        for attempt in (1, 2, 3):
+            try:
+                response = await client.post("/v1/charges", data=params)
+                response.raise_for_status()
+                out.lines.append(f"{time.monotonic() - started:5.1f} s  attempt {attempt}: "
+                                 f"charged {response.json()['id']}; the model reports success")
+                break
+            except httpx.HTTPError as exc:
+                out.lines.append(f"{time.monotonic() - started:5.1f} s  attempt {attempt}: "
+                                 f"error ({type(exc).__name__}); the model retries")
+    # The first charge lands at 6.2 s whether or not anyone is still listening.
+    for _ in range(100):
+        charges = [c for c in await ledger(url) if c.get("customer") == "cus_naive"]
+        if len(charges) >= 2 or time.monotonic() - started > PROVIDER_DELAY_S + 2:
+            break
+        await asyncio.sleep(0.1)
+    out.charges = len(charges)
+    out.final = "reported success"
+
+
+async def run(settings: KafkaSettings) -> tuple[Harness, Harness]:
+    await ensure_topics(settings)
+    ours, naive = Harness("halfway"), Harness("naive")
+    async with simulator() as url:
+        await run_halfway(settings, url, ours)
+        await run_naive(url, naive)
+    return ours, naive
+
+
+def as_json(ours: Harness, naive: Harness) -> dict[str, Any]:
+    return {"ledger": {"halfway": ours.charges, "naive": naive.charges},
+            "final": {"halfway": ours.final, "naive": naive.final},
+            "steps": ours.steps}
+
+
+def as_text(ours: Harness, naive: Harness) -> str:
+    out = ["The renewal: charge $49.00 for invoice INV-2291. The provider takes "
+           f"{PROVIDER_DELAY_S} s; both harnesses wait {CLIENT_TIMEOUT_S:g} s.", "",
+           "halfway (journal + key + lookup):"]
+    out += [f"  {line}" for line in ours.lines]
+    out += ["", "naive (timeout = error, the model retries):"]
+    out += [f"  {line}" for line in naive.lines]
+    out += ["", f"{'':<22}{'halfway':<14}naive",
+            f"{'charges in the ledger':<22}{ours.charges:<14}{naive.charges}",
+            f"{'the customer paid':<22}{'$%.2f' % (49 * ours.charges):<14}"
+            f"${49 * naive.charges:.2f}"]
+    for step in ours.steps:
+        out.append(f"{step['step_id']}: " + " -> ".join(step["states"])
+                   + f"  evidence {step['evidence']}")
+    return "\n".join(out)
+
+
+def verdict_ok(ours: Harness) -> bool:
+    return ours.charges == 1 and all(s["states"][-1:] == [StepStatus.DONE.value]
+                                     for s in ours.steps)

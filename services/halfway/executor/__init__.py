@@ -1,0 +1,1 @@
+"""The executor: performs intended steps with their keys, journals attempts and outcomes."""

@@ -1,0 +1,195 @@
+"""The executor service: a thin loop around `halfway.core.next_action`.
+
+For every step of the tasks it follows, and that it has no move in flight for, it asks
+`next_action` and performs the answer: journal `step.attempted`, then send the request with
+the step's key (never the other way round); journal the outcome `classify` gives; look an
+unknown effect up; wait for the check schedule; escalate. Moves run as their own tasks (at
+most CALLS_IN_FLIGHT_MAX at once), so a slow provider never blocks other tasks on the same
+partition. After a restart the follower replays the journal, and every "attempted, no
+outcome" step is settled unknown and looked up before anything else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from halfway import log
+from halfway.contract import (
+    EffectClass,
+    Event,
+    Outcome,
+    SettlementSource,
+    StepAttempted,
+    StepChecked,
+    StepSettled,
+)
+from halfway.core.classify import TimedOut, classify
+from halfway.core.fold import StepState
+from halfway.core.next_action import (
+    Action,
+    Call,
+    Escalate,
+    Lookup,
+    Nothing,
+    SettleNotDone,
+    SettleUnknown,
+    Wait,
+    next_action,
+    plan_check,
+)
+from halfway.journal import JournalWriter
+from halfway.journal.follower import JournalFollower
+from halfway.settings import KafkaSettings
+from halfway.tools.registry import Registry, Tool
+from halfway.tools.spec import CallContext, Found, Succeeded
+
+CALLS_IN_FLIGHT_MAX = 1000
+# A guard beyond the adapter's own timeout: an adapter that hangs is a timeout too.
+TIMEOUT_GRACE_S = 2.0
+
+
+def stamp(task_id: str) -> dict[str, Any]:
+    return {"event_id": uuid.uuid4().hex, "task_id": task_id, "at": datetime.now(UTC)}
+
+
+class Executor:
+    def __init__(self, settings: KafkaSettings, registry: Registry, writer: JournalWriter, *,
+                 group: str = "halfway-executor") -> None:
+        self.registry = registry
+        self.writer = writer
+        self.follower = JournalFollower(settings, group=group, writer=writer,
+                                        on_change=self._on_change)
+        self._moves: dict[str, asyncio.Task[None]] = {}  # step id -> the move in flight
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._slots = asyncio.Semaphore(CALLS_IN_FLIGHT_MAX)
+        self._log = log.get("halfway.executor")
+
+    async def run(self) -> None:
+        await self.follower.start()
+        try:
+            await self.follower.run()
+        finally:
+            for timer in self._timers.values():
+                timer.cancel()
+            for move in self._moves.values():
+                move.cancel()
+            await self.follower.stop()
+
+    async def _on_change(self, task_ids: set[str]) -> None:
+        now = datetime.now(UTC)
+        for task_id in task_ids:
+            state = self.follower.states.get(task_id)
+            if state is None:
+                continue
+            for step in state.steps.values():
+                if step.step_id not in self._moves:
+                    self._consider(step, now)
+
+    def _consider(self, step: StepState, now: datetime) -> None:
+        tool = self.registry.get(step.intent.tool)
+        if tool is None:
+            self._log.error("no such tool here; the step waits", step_id=step.step_id,
+                            tool=step.intent.tool)
+            return
+        action = next_action(step.effect, tool.spec.policy(), now)
+        match action:
+            case Nothing():
+                return
+            case Wait(until=until):
+                self._wake_at(step, until, now)
+            case _:
+                self._moves[step.step_id] = asyncio.create_task(self._move(step, tool, action))
+
+    def _wake_at(self, step: StepState, until: datetime, now: datetime) -> None:
+        if (old := self._timers.pop(step.step_id, None)) is not None:
+            old.cancel()
+        delay_s = max(0.0, (until - now).total_seconds())
+        task_id = step.intent.task_id
+        self._timers[step.step_id] = asyncio.get_running_loop().call_later(
+            delay_s, self.follower.touch, task_id)
+
+    async def _move(self, step: StepState, tool: Tool, action: Action) -> None:
+        with log.bound(task_id=step.intent.task_id, step_id=step.step_id):
+            try:
+                async with self._slots:
+                    await self._perform(step, tool, action)
+            except Exception:
+                # The journal is unchanged by a move that failed before its write; the step
+                # is considered again at the next change and the move is retried.
+                self._log.exception("move failed", action=type(action).__name__)
+            finally:
+                del self._moves[step.step_id]
+                self.follower.touch(step.intent.task_id)
+
+    async def _perform(self, step: StepState, tool: Tool, action: Action) -> None:
+        intent, task_id = step.intent, step.intent.task_id
+        spec = tool.spec
+        settled = {"step_id": step.step_id}
+        match action:
+            case Call(attempt=n):
+                await self._write(StepAttempted(**stamp(task_id), step_id=step.step_id,
+                                                attempt=n, key=intent.key,
+                                                started_at=datetime.now(UTC)))
+                # Write before acting: from here on, a crash leaves "attempted, no outcome".
+                args = spec.args_model.model_validate(intent.args)
+                ctx = CallContext(step.step_id, intent.key, n, spec.timeout_s)
+                try:
+                    async with asyncio.timeout(spec.timeout_s + TIMEOUT_GRACE_S):
+                        result = await tool.adapter.call(args, ctx)
+                except TimeoutError:
+                    result = TimedOut(spec.timeout_s)
+                self._log.info("attempt answered", attempt=n, result=type(result).__name__)
+                if isinstance(result, Succeeded):
+                    await self._write(StepSettled(
+                        **stamp(task_id), **settled, outcome=Outcome.DONE, attempt=n,
+                        source=SettlementSource.CALL,
+                        evidence={**result.evidence, "replayed": result.replayed}))
+                elif spec.effect_class is EffectClass.READ:
+                    return  # reads are never unknown: next_action reads again, within bounds
+                else:
+                    verdict = classify(result, attempt=n)
+                    await self._write(StepSettled(
+                        **stamp(task_id), **settled, outcome=verdict.outcome, attempt=n,
+                        source=SettlementSource.CALL, reason=verdict.reason))
+            case SettleUnknown(attempt=n, reason=reason):
+                await self._write(StepSettled(**stamp(task_id), **settled,
+                                              outcome=Outcome.UNKNOWN, attempt=n,
+                                              source=SettlementSource.CALL, reason=reason))
+            case SettleNotDone(reason=reason):
+                await self._write(StepSettled(**stamp(task_id), **settled,
+                                              outcome=Outcome.NOT_DONE,
+                                              source=SettlementSource.CALL, reason=reason))
+            case Lookup():
+                args = spec.args_model.model_validate(intent.args)
+                ctx = CallContext(step.step_id, intent.key, len(step.effect.attempts),
+                                  spec.timeout_s)
+                found = await tool.adapter.lookup(args, ctx)
+                if isinstance(found, Found) and found.succeeded:
+                    await self._write(StepSettled(**stamp(task_id), **settled,
+                                                  outcome=Outcome.DONE, evidence=found.evidence,
+                                                  source=SettlementSource.LOOKUP))
+                elif isinstance(found, Found):
+                    await self._write(StepSettled(
+                        **stamp(task_id), **settled, outcome=Outcome.NOT_DONE,
+                        source=SettlementSource.LOOKUP,
+                        reason=f"the provider's record shows it failed: {found.reason}"))
+                else:
+                    now = datetime.now(UTC)
+                    next_at = plan_check(step.effect, spec.policy(), now)
+                    found_words = getattr(found, "detail", "nothing")
+                    if next_at is None:
+                        found_words += "; lookups are over and no retry is safe"
+                    await self._write(StepChecked(**stamp(task_id) | {"at": now}, **settled,
+                                                  found=found_words, next_check_at=next_at))
+            case Escalate(reason=reason):
+                await self._write(StepChecked(**stamp(task_id), **settled, found=reason,
+                                              next_check_at=None))
+            case _:
+                raise AssertionError(f"unexpected action {action!r}")
+
+    async def _write(self, event: Event) -> None:
+        meta = await self.writer.append(event)
+        self.follower.note_write(event.task_id, meta.partition, meta.offset)

@@ -1,0 +1,71 @@
+"""The model interface: `decide(history) -> call | finish`, and what the model sees.
+
+What the model sees of earlier steps comes from the journal (facts, not memory), rendered in
+words it cannot misread: `unknown, being checked: ... do not start another one`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from halfway.core.fold import TaskState
+from halfway.render import step_line
+
+
+@dataclass(frozen=True, slots=True)
+class ToolInfo:
+    name: str
+    description: str
+    args_schema: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class StepView:
+    n: int
+    tool: str
+    args: dict[str, Any]
+    status: str
+    line: str  # the three-state words
+
+
+@dataclass(frozen=True, slots=True)
+class History:
+    task_id: str
+    n: int  # the step being decided
+    input: dict[str, Any]
+    tools: list[ToolInfo]
+    steps: list[StepView] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ProposeCall:
+    tool: str
+    args: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ProposeFinish:
+    summary: str
+
+
+Proposal = ProposeCall | ProposeFinish
+
+
+class Model(Protocol):
+    name: str
+    version: str | None
+
+    async def decide(self, history: History) -> Proposal: ...
+
+
+def history_of(state: TaskState, n: int, tools: list[ToolInfo]) -> History:
+    assert state.started is not None
+    return History(
+        task_id=state.task_id,
+        n=n,
+        input=dict(state.started.input),
+        tools=[t for t in tools if t.name in state.started.allowed_tools],
+        steps=[StepView(s.n, s.intent.tool, dict(s.intent.args), s.status, step_line(s))
+               for s in state.steps.values()],
+    )

@@ -1,0 +1,63 @@
+"""A deterministic scripted model: the embedded default for demos and tests.
+
+It follows the task's input: `input["script"]` is a list of steps `{"tool", "args"}`; after
+the last one it finishes with `input.get("summary")`. It behaves like a real model in the one
+way that matters here: asked twice for the same step it answers differently (a step may carry
+`"reask_args"`, merged over `args` on every ask after the first, e.g. `{"amount_cents":
+"49.00"}`), so tests can prove a resumed task re-reads its decision instead of asking again.
+
+Every question is counted. With `HALFWAY_MODEL_CALL_LOG` set, each one is appended as a JSON
+line to that file, so the count survives a kill -9 and is shared by every process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from halfway import settings
+from halfway.models.base import History, Proposal, ProposeCall, ProposeFinish
+
+
+class ScriptedModel:
+    name = "scripted"
+    version: str | None = "1"
+
+    def __init__(self, call_log: Path | None = None) -> None:
+        env = settings.model_call_log()
+        self.call_log = call_log or (Path(env) if env else None)
+        self._asked: Counter[tuple[str, int]] = Counter()
+
+    def times_asked(self, task_id: str, n: int) -> int:
+        if self.call_log is None:
+            return self._asked[(task_id, n)]
+        if not self.call_log.exists():
+            return 0
+        lines = self.call_log.read_text().splitlines()
+        return sum(1 for line in lines
+                   if (e := json.loads(line))["task_id"] == task_id and e["n"] == n)
+
+    def _record(self, task_id: str, n: int, answer: dict[str, Any]) -> None:
+        self._asked[(task_id, n)] += 1
+        if self.call_log is not None:
+            with self.call_log.open("a") as f:
+                f.write(json.dumps({"task_id": task_id, "n": n, **answer}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())  # the count must survive a kill -9 right after
+
+    async def decide(self, history: History) -> Proposal:
+        script: list[dict[str, Any]] = list(history.input.get("script", []))
+        asked_before = self.times_asked(history.task_id, history.n)
+        if history.n > len(script):
+            summary = str(history.input.get("summary", "done"))
+            self._record(history.task_id, history.n, {"finish": summary})
+            return ProposeFinish(summary)
+        entry = script[history.n - 1]
+        args = dict(entry.get("args", {}))
+        if asked_before:
+            args |= entry.get("reask_args", {})
+        self._record(history.task_id, history.n, {"tool": entry["tool"], "args": args})
+        return ProposeCall(tool=entry["tool"], args=args)
