@@ -1,0 +1,141 @@
+"""decide and accept_call: the decider's pure rules, and the scripted model."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from pydantic import BaseModel, ConfigDict, Field
+
+from halfway.contract import EffectClass, FinalState, Outcome, TaskPolicy
+from halfway.core import fold
+from halfway.core.decide import (
+    Ask,
+    Finish,
+    Hold,
+    Idle,
+    Refused,
+    Reject,
+    Start,
+    ToolFacts,
+    accept_call,
+    decide,
+    final_state_for,
+)
+from halfway.models import ScriptedModel, history_of
+from tests.factories import Stamper
+
+KNOWN = {"charge_customer"}
+
+
+class Charge(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    invoice: str
+    amount_cents: int = Field(gt=0, strict=True)
+
+
+CHARGE = ToolFacts("charge_customer", Charge, EffectClass.KEYED,
+                   lambda a: f"invoice:{a.invoice}")
+
+
+@pytest.fixture
+def s() -> Stamper:
+    return Stamper("renewal-8812")
+
+
+def test_a_request_is_started_or_rejected_once(s: Stamper) -> None:
+    state = fold([s.requested()])
+    assert decide(state, known_tools=KNOWN, requested=True, now=s.now) == Start()
+    assert decide(state, known_tools=set(), requested=True, now=s.now) == Reject(
+        "unknown tools: charge_customer")
+    started = fold([s.requested(), s.started(), s.requested()])  # requested twice
+    assert decide(started, known_tools=KNOWN, requested=True, now=s.now) == Ask(1)
+    assert decide(fold([s.requested(), s.rejected()]), known_tools=KNOWN, requested=True,
+                  now=s.now) == Idle()
+    assert decide(fold([s.requested()]), known_tools=KNOWN, requested=False, now=s.now) == Idle()
+
+
+@pytest.mark.parametrize("tail", ["intended", "in_flight", "unknown", "escalated"])
+def test_an_unsettled_step_holds_the_task(s: Stamper, tail: str) -> None:
+    log = [s.started(), s.intended(1)]
+    if tail != "intended":
+        log.append(s.attempted(1, 1))
+    if tail in ("unknown", "escalated"):
+        log.append(s.settled(1, Outcome.UNKNOWN, attempt=1))
+    if tail == "escalated":
+        log.append(s.checked(1, next_in=None))
+    move = decide(fold(log), known_tools=KNOWN, requested=False, now=s.now)
+    assert isinstance(move, Hold)
+    assert "renewal-8812:1" in move.reason
+    assert ("operator" in move.reason) == (tail == "escalated")
+
+
+def test_settled_steps_let_the_model_decide_the_next_one(s: Stamper) -> None:
+    for outcome in (Outcome.DONE, Outcome.NOT_DONE):
+        log = [s.started(), s.intended(1), s.attempted(1, 1), s.settled(1, outcome, attempt=1)]
+        assert decide(fold(log), known_tools=KNOWN, requested=False, now=s.now) == Ask(2)
+
+
+def test_limits_finish_the_task(s: Stamper) -> None:
+    one_step = [s.started(policy=TaskPolicy(max_steps=1)), s.intended(1), s.attempted(1, 1),
+                s.settled(1, Outcome.DONE, attempt=1)]
+    move = decide(fold(one_step), known_tools=KNOWN, requested=False, now=s.now)
+    assert move == Finish(FinalState.FAILED, "reached the limit of 1 steps")
+    late = [s.started(policy=TaskPolicy(deadline=s.now + timedelta(seconds=1)))]
+    move = decide(fold(late), known_tools=KNOWN, requested=False, now=s.now + timedelta(hours=1))
+    assert isinstance(move, Finish)
+    assert "deadline" in move.summary
+
+
+def test_final_state_follows_the_last_step(s: Stamper) -> None:
+    base = [s.started(), s.intended(1), s.attempted(1, 1)]
+    assert final_state_for(fold([*base, s.settled(1, Outcome.DONE, attempt=1)])) \
+        is FinalState.SUCCEEDED
+    assert final_state_for(fold([*base, s.settled(1, Outcome.NOT_DONE, attempt=1)])) \
+        is FinalState.FAILED
+
+
+def test_accept_call_mints_the_key_and_freezes_validated_args(s: Stamper) -> None:
+    state = fold([s.started()])
+    fields = accept_call(state, 1, CHARGE, "charge_customer",
+                         {"invoice": "INV-2291", "amount_cents": 4900})
+    assert not isinstance(fields, Refused)
+    assert fields["key"] == "renewal-8812:1" == fields["step_id"]
+    assert fields["subject"] == "invoice:INV-2291"
+    assert fields["args"] == {"invoice": "INV-2291", "amount_cents": 4900}
+
+
+@pytest.mark.parametrize(
+    ("tool", "name", "args", "why"),
+    [
+        (CHARGE, "charge_customer", {"invoice": "INV-2291", "amount_cents": "49.00"},
+         "amount_cents"),
+        (CHARGE, "charge_customer", {"invoice": "INV-2291", "amount_cents": 4900, "key": "x"},
+         "key"),
+        (None, "wire_money", {}, "not allowed"),
+    ],
+)
+def test_accept_call_refuses_with_a_reason_the_model_can_read(
+    s: Stamper, tool: ToolFacts | None, name: str, args: dict, why: str,
+) -> None:
+    refused = accept_call(fold([s.started()]), 1, tool, name, args)
+    assert isinstance(refused, Refused)
+    assert refused.reason.startswith("refused:")
+    assert why in refused.reason
+
+
+async def test_the_scripted_model_answers_differently_when_asked_twice(tmp_path) -> None:
+    s = Stamper("renewal-8812")
+    started = s.started()
+    started = started.model_copy(update={"input": {
+        "script": [{"tool": "charge_customer", "args": {"amount_cents": 4900},
+                    "reask_args": {"amount_cents": "49.00"}}], "summary": "renewed"}})
+    state = fold([started])
+    model = ScriptedModel(call_log=tmp_path / "calls.jsonl")
+    first = await model.decide(history_of(state, 1, []))
+    again = await ScriptedModel(call_log=tmp_path / "calls.jsonl").decide(history_of(state, 1, []))
+    assert first.args == {"amount_cents": 4900}
+    assert again.args == {"amount_cents": "49.00"}  # another process, same shared count
+    finish = await model.decide(history_of(state, 2, []))
+    assert finish.summary == "renewed"
+    assert model.times_asked("renewal-8812", 1) == 2
