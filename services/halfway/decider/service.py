@@ -11,7 +11,6 @@ blocks other tasks on the same partition.
 from __future__ import annotations
 
 import asyncio
-import uuid
 from datetime import UTC, datetime
 from typing import Any
 
@@ -38,16 +37,13 @@ from halfway.core.decide import (
 from halfway.core.fold import TaskState, apply
 from halfway.journal import JournalWriter
 from halfway.journal.follower import JournalFollower
+from halfway.journal.records import stamp
 from halfway.models import Model, ProposeFinish, history_of
 from halfway.settings import KafkaSettings
 from halfway.tools.registry import Registry
 
 MODEL_CALLS_MAX = 64  # questions in flight at once; more wait for a slot
 MODEL_TIMEOUT_S = 120.0
-
-
-def stamp(task_id: str) -> dict[str, Any]:
-    return {"event_id": uuid.uuid4().hex, "task_id": task_id, "at": datetime.now(UTC)}
 
 
 class Decider:

@@ -34,7 +34,7 @@ from halfway.contract import (
 )
 from halfway.contract.topics import TASKS
 from halfway.core import TaskState, apply
-from halfway.journal import EventConsumer, JournalWriter, ensure_topics, replay
+from halfway.journal import EventConsumer, JournalWriter, ensure_topics, records, replay
 from halfway.render import step_line, task_summary
 from halfway.settings import KafkaSettings
 
@@ -60,7 +60,7 @@ def _essay(task_id: str, now: datetime) -> list[Event]:
     t = iter(now + timedelta(milliseconds=ms) for ms in range(0, 100_000, 100))
 
     def stamp(at: datetime | None = None) -> dict[str, Any]:
-        return {"event_id": uuid.uuid4().hex, "task_id": task_id, "at": at or next(t)}
+        return records.stamp(task_id, at or next(t))
 
     sent = next(t)
     return [

@@ -12,9 +12,7 @@ outcome" step is settled unknown and looked up before anything else.
 from __future__ import annotations
 
 import asyncio
-import uuid
 from datetime import UTC, datetime
-from typing import Any
 
 from halfway import log
 from halfway.contract import (
@@ -42,6 +40,7 @@ from halfway.core.next_action import (
 )
 from halfway.journal import JournalWriter
 from halfway.journal.follower import JournalFollower
+from halfway.journal.records import stamp
 from halfway.settings import KafkaSettings
 from halfway.tools.registry import Registry, Tool
 from halfway.tools.spec import CallContext, Found, Succeeded
@@ -49,10 +48,6 @@ from halfway.tools.spec import CallContext, Found, Succeeded
 CALLS_IN_FLIGHT_MAX = 1000
 # A guard beyond the adapter's own timeout: an adapter that hangs is a timeout too.
 TIMEOUT_GRACE_S = 2.0
-
-
-def stamp(task_id: str) -> dict[str, Any]:
-    return {"event_id": uuid.uuid4().hex, "task_id": task_id, "at": datetime.now(UTC)}
 
 
 class Executor:
@@ -182,7 +177,7 @@ class Executor:
                     found_words = getattr(found, "detail", "nothing")
                     if next_at is None:
                         found_words += "; lookups are over and no retry is safe"
-                    await self._write(StepChecked(**stamp(task_id) | {"at": now}, **settled,
+                    await self._write(StepChecked(**stamp(task_id, now), **settled,
                                                   found=found_words, next_check_at=next_at))
             case Escalate(reason=reason):
                 await self._write(StepChecked(**stamp(task_id), **settled, found=reason,

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import base64
+import uuid
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
+from typing import Any
 
 from aiokafka.structs import ConsumerRecord
 from pydantic import ValidationError
@@ -14,6 +16,11 @@ from halfway.contract.events import DeadLetter
 
 Headers = list[tuple[str, bytes]]
 REASON_LENGTH_MAX = 2000
+
+
+def stamp(task_id: str, at: datetime | None = None) -> dict[str, Any]:
+    """The envelope a writer stamps on a new event, once, before its first send."""
+    return {"event_id": uuid.uuid4().hex, "task_id": task_id, "at": at or datetime.now(UTC)}
 
 
 def record_key(event: Event) -> bytes:
