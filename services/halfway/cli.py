@@ -102,12 +102,14 @@ def run(service: Annotated[Service, typer.Argument(help="which service")]) -> No
 
 @app.command()
 def sim(port: Annotated[int, typer.Option(help="0 picks a free port")] = 18080,
+        host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
         key_ttl_s: Annotated[float, typer.Option(help="how long keys are remembered")] = 86400.0,
         ) -> None:
     """Run the payment provider simulator (Stripe-like) until stopped."""
     from halfway.simulators import payments
 
-    raise typer.Exit(payments.main(["--port", str(port), "--key-ttl-s", str(key_ttl_s)]))
+    raise typer.Exit(payments.main(["--host", host, "--port", str(port),
+                                    "--key-ttl-s", str(key_ttl_s)]))
 
 
 @app.command()
