@@ -1,0 +1,255 @@
+"""charge_customer: charge a customer for an invoice through a Stripe-like API (v1 charges).
+
+The adapter speaks to paysim (`halfway.simulators.payments`) or anything with Stripe's v1
+charge and search endpoints. It sends our key twice, because each place serves a different
+reader: as `Idempotency-Key`, so the provider dedupes our retries while it remembers the key,
+and as `metadata[halfway_key]`, so a lookup can find the effect by our name for it, also after
+the provider forgot the key.
+
+It reports what it saw and never raises for a provider or network failure; the pure core
+(`halfway.core.classify`) decides what that means. How each failure maps, and why:
+
+- connect refused, connect timeout, no free pooled connection: the request never left → NotSent
+- read timeout, write timeout (the request may be partly sent): → TimedOut
+- the server hung up, a read or write broke: → ConnectionLost
+- any status other than 2xx: → Replied, with Stripe's error code (or type) and message
+- anything else → Unexpected
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import TracebackType
+from typing import Any
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from halfway.contract import EffectClass
+from halfway.core.classify import ConnectionLost, NotSent, Replied, TimedOut, Unexpected
+from halfway.tools.spec import (
+    CallContext,
+    CallResult,
+    Found,
+    LookupFailed,
+    LookupResult,
+    NotFound,
+    Succeeded,
+    ToolSpec,
+)
+
+TOOL_NAME = "charge_customer"
+PROVIDER = "paysim"
+METADATA_KEY = "halfway_key"  # the metadata entry that carries our idempotency key
+CONNECT_TIMEOUT_S_MAX = 2.0  # a local or regional API accepts a connection well within this
+CONNECTIONS_MAX = 100  # httpx's default pool size, named; waiting for a slot is a PoolTimeout
+SEARCH_LIMIT = 10  # one key names one effect; more than a few charges under it is a finding
+AMOUNT_CENTS_MAX = 99_999_999  # Stripe's largest amount
+ERROR_TEXT_CHARS_MAX = 300  # of an unparseable error body, kept in the failure
+
+
+class ChargeArgs(BaseModel):
+    """What the model decides. `amount_cents` is strict: "49.00" is refused, never coerced."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    invoice: str = Field(min_length=1, max_length=200, description="the invoice id, e.g. INV-2291")
+    customer: str = Field(min_length=1, max_length=255, description="the customer id, e.g. cus_1")
+    amount_cents: int = Field(gt=0, le=AMOUNT_CENTS_MAX, strict=True,
+                              description="an integer number of cents: 4900 for $49.00")
+    currency: str = Field(default="usd", pattern=r"^[a-z]{3}$",
+                          description="ISO 4217 currency code, e.g. usd")
+
+    @field_validator("currency", mode="before")
+    @classmethod
+    def _lower_case(cls, value: Any) -> Any:
+        # Stripe's currency codes are lower case; "USD" means the same and is not worth a refusal.
+        return value.lower() if isinstance(value, str) else value
+
+
+def charge_subject(args: BaseModel) -> str:
+    return f"invoice:{_charge_args(args).invoice}"
+
+
+def charge_customer_spec(timeout_s: float = 5.0, key_ttl_s: float = 86_400.0) -> ToolSpec:
+    """The spec; `key_ttl_s` must not exceed what the provider keeps (Stripe v1: 24 h)."""
+    return ToolSpec(
+        name=TOOL_NAME,
+        description=("Charge a customer for an invoice, in cents. amount_cents is an integer "
+                     "number of cents (4900 for $49.00), never a decimal string."),
+        args_model=ChargeArgs,
+        effect_class=EffectClass.KEYED,
+        timeout_s=timeout_s,
+        subject=charge_subject,
+        key_ttl_s=key_ttl_s,
+        has_lookup=True,
+    )
+
+
+class PaymentsAdapter:
+    """One shared `httpx.AsyncClient` per adapter, made on first use; `aclose()` closes it."""
+
+    def __init__(self, base_url: str, *, connections_max: int = CONNECTIONS_MAX) -> None:
+        self._base_url = base_url.rstrip("/")
+        self._limits = httpx.Limits(max_connections=connections_max,
+                                    max_keepalive_connections=connections_max)
+        self._client: httpx.AsyncClient | None = None
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(base_url=self._base_url, limits=self._limits)
+        return self._client
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.aclose()
+
+    async def __aenter__(self) -> PaymentsAdapter:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    async def call(self, args: BaseModel, ctx: CallContext) -> CallResult:
+        charge = _charge_args(args)
+        form = {
+            "amount": str(charge.amount_cents),
+            "currency": charge.currency,
+            "customer": charge.customer,
+            "description": f"invoice {charge.invoice}",
+            f"metadata[{METADATA_KEY}]": ctx.key,
+            "metadata[invoice]": charge.invoice,
+        }
+        try:
+            async with asyncio.timeout(_attempt_budget_s(ctx.timeout_s)):
+                response = await self._http().post(
+                    "/v1/charges", data=form, headers={"Idempotency-Key": ctx.key},
+                    timeout=_timeout(ctx.timeout_s))
+        # Order matters only for readability: these httpx classes do not overlap.
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            return NotSent(f"{type(exc).__name__}: {exc}")
+        except httpx.PoolTimeout:
+            # Waiting for one of our own pooled connections: nothing was written yet.
+            return NotSent(f"no free connection within {ctx.timeout_s:g} s")
+        except httpx.UnsupportedProtocol as exc:
+            return NotSent(f"UnsupportedProtocol: {exc}")
+        except (httpx.ReadTimeout, httpx.WriteTimeout, TimeoutError):
+            # WriteTimeout: part of the request may have reached the server. TimeoutError: our
+            # whole-attempt budget ran out (a trickling reply), after the request was sent.
+            return TimedOut(ctx.timeout_s)
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+            return ConnectionLost(f"{type(exc).__name__}: {exc}")
+        except Exception as exc:
+            return Unexpected(f"{type(exc).__name__}: {exc}")
+        return _call_result(response)
+
+    async def lookup(self, args: BaseModel, ctx: CallContext) -> LookupResult:
+        """Find the charge named by our key. Stripe's search can lag writes (up to a minute,
+        an hour in outages), so NotFound is never proof on its own; paysim has no lag."""
+        charge = _charge_args(args)
+        query = f"metadata['{METADATA_KEY}']:{_search_literal(ctx.key)}"
+        try:
+            async with asyncio.timeout(_attempt_budget_s(ctx.timeout_s)):
+                response = await self._http().get(
+                    "/v1/charges/search", params={"query": query, "limit": SEARCH_LIMIT},
+                    timeout=_timeout(ctx.timeout_s))
+            if response.status_code != 200:
+                return LookupFailed(f"search answered HTTP {response.status_code}: "
+                                    f"{_error_text(response)}")
+            body = response.json()
+            charges = body["data"]
+            if not isinstance(charges, list):
+                raise TypeError("data is not a list")
+        except Exception as exc:
+            return LookupFailed(f"search failed: {type(exc).__name__}: {exc}")
+        return _settle(charges, charge, ctx.key)
+
+
+def _charge_args(args: BaseModel) -> ChargeArgs:
+    if not isinstance(args, ChargeArgs):
+        raise TypeError(f"{TOOL_NAME} takes ChargeArgs, got {type(args).__name__}")
+    return args
+
+
+def _timeout(timeout_s: float) -> httpx.Timeout:
+    return httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S_MAX))
+
+
+def _attempt_budget_s(timeout_s: float) -> float:
+    """A bound on the whole attempt. httpx's timeouts bound each wait, not their sum; this lets
+    one pool wait, connect and read each run their course, and no more."""
+    return 2 * timeout_s + min(timeout_s, CONNECT_TIMEOUT_S_MAX)
+
+
+def _search_literal(value: str) -> str:
+    """A Search API string literal: single-quoted, with \\ and ' escaped."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _evidence(charge: dict[str, Any]) -> dict[str, Any]:
+    return {"charge_id": charge["id"], "amount_cents": charge["amount"],
+            "currency": charge["currency"], "provider": PROVIDER}
+
+
+def _error_text(response: httpx.Response) -> str:
+    return response.text[:ERROR_TEXT_CHARS_MAX]
+
+
+def _call_result(response: httpx.Response) -> CallResult:
+    status = response.status_code
+    if 200 <= status < 300:
+        try:
+            charge = response.json()
+            evidence = _evidence(charge)
+            charge_status = charge.get("status")
+        except Exception as exc:
+            # It said yes but not what it did: without evidence this is not done, only unknown.
+            return Unexpected(f"HTTP {status} without a readable charge "
+                              f"({type(exc).__name__}: {exc}): {_error_text(response)}")
+        if charge_status != "succeeded":
+            # Stripe answers a decline with 402; a 2xx charge that is pending is not done yet.
+            return Unexpected(f"HTTP {status} with charge {evidence['charge_id']} "
+                              f"in status {charge_status!r}")
+        replayed = response.headers.get("Idempotent-Replayed", "").lower() == "true"
+        return Succeeded(evidence=evidence, replayed=replayed)
+    try:
+        error = response.json()["error"]
+        return Replied(status, code=error.get("code") or error.get("type"),
+                       message=error.get("message") or "")
+    except Exception:
+        return Replied(status, code=None, message=_error_text(response))
+
+
+def _settle(charges: list[Any], args: ChargeArgs, key: str) -> LookupResult:
+    """What the charges found under our key say about the effect."""
+    mine = [c for c in charges
+            if isinstance(c, dict) and (c.get("metadata") or {}).get(METADATA_KEY) == key]
+    if not mine:
+        return NotFound(f"no charge with metadata {METADATA_KEY}={key}")
+    for charge in mine:
+        if (charge.get("amount"), charge.get("currency"), charge.get("customer")) != \
+                (args.amount_cents, args.currency, args.customer):
+            # Our key on a different charge: something other than this step made it. Claiming
+            # done or not done would both be guesses, so leave it to an operator.
+            return LookupFailed(f"charge {charge.get('id')} carries key {key} but charges "
+                                f"{charge.get('amount')} {charge.get('currency')} to "
+                                f"{charge.get('customer')}, not what this step asked for")
+    succeeded = [c for c in mine if c.get("status") == "succeeded"]
+    if succeeded:
+        evidence = _evidence(succeeded[0])
+        if len(succeeded) > 1:
+            # A key reused after the provider forgot it: the customer was charged twice.
+            evidence["duplicate_charge_ids"] = [c["id"] for c in succeeded[1:]]
+        return Found(evidence=evidence, succeeded=True)
+    failed = [c for c in mine if c.get("status") == "failed"]
+    if failed:
+        charge = failed[0]
+        reason = " ".join(str(p) for p in (charge.get("failure_code"),
+                                           charge.get("failure_message")) if p)
+        return Found(evidence=_evidence(charge), succeeded=False,
+                     reason=reason or "the charge failed")
+    statuses = sorted({str(c.get("status")) for c in mine})
+    return LookupFailed(f"charge {mine[0].get('id')} is not final yet ({', '.join(statuses)})")
+
