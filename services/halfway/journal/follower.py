@@ -34,6 +34,9 @@ from halfway.journal.writer import JournalWriter
 from halfway.settings import KafkaSettings
 
 OnChange = Callable[[set[str]], Awaitable[None]]
+# How long one fetch waits when the journal is quiet: also the latency of a timer the service
+# set (a due lookup) being acted on.
+IDLE_FETCH_MS = 100
 
 
 @dataclass
@@ -81,7 +84,7 @@ class JournalFollower:
     async def run(self) -> None:
         """Fold and report changes until cancelled."""
         while True:
-            deliveries = await self._consumer.batch()
+            deliveries = await self._consumer.batch(IDLE_FETCH_MS)
             for d in deliveries:
                 self._apply(d.event, TopicPartition(d.topic, d.partition), d.offset)
             await self._refresh_positions()
