@@ -23,6 +23,7 @@ from halfway.contract import (
     StepAttempted,
     StepChecked,
     StepIntended,
+    StepRefused,
     StepSettled,
     TaskFinished,
     TaskPolicy,
@@ -71,6 +72,12 @@ class Stamper:
             "decided_by": DecidedBy(model="scripted", version="1"),
         } | kw
         return StepIntended(**self.stamp(), step_id=sid, n=n, key=mint_key(sid), **fields)
+
+    def refused(self, n: int, reason: str = "refused: amount_cents: Input should be a valid "
+                "integer", args: dict[str, Any] | None = None) -> StepRefused:
+        return StepRefused(**self.stamp(), n=n, tool="charge_customer",
+                           args=args if args is not None else {"amount_cents": "49.00"},
+                           reason=reason, decided_by=DecidedBy(model="scripted", version="1"))
 
     def attempted(self, n: int, attempt: int) -> StepAttempted:
         sid = step_id(self.task_id, n)
@@ -125,6 +132,7 @@ def one_of_each(task_id: str = "renewal-8812") -> list[Event]:
         s.requested(policy=TaskPolicy(saga=True, max_steps=5)),
         s.started(),
         s.rejected(),
+        s.refused(1),
         s.intended(1, saga_role=SagaRole.COMPENSABLE, compensation=CompensationPlan(
             tool="refund_charge", args={"charge": "$result.id"})),
         s.attempted(1, 1),

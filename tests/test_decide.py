@@ -139,3 +139,34 @@ async def test_the_scripted_model_answers_differently_when_asked_twice(tmp_path)
     finish = await model.decide(history_of(state, 2, []))
     assert finish.summary == "renewed"
     assert model.times_asked("renewal-8812", 1) == 2
+
+
+def test_refused_proposals_are_shown_and_bounded(s: Stamper) -> None:
+    log = [s.started(), s.refused(1, "refused: bad amount")]
+    state = fold(log)
+    assert decide(state, known_tools=KNOWN, requested=False, now=s.now) == Ask(1)
+    assert history_of(state, 1, []).refusals == ["refused: bad amount"]
+    log += [s.refused(1), s.refused(1, "refused: third time")]
+    move = decide(fold(log), known_tools=KNOWN, requested=False, now=s.now)
+    assert isinstance(move, Finish)
+    assert move.state is FinalState.FAILED
+    assert "refused 3 times" in move.summary
+    assert "third time" in move.summary
+
+
+def test_a_refusal_after_the_step_is_decided_changes_nothing(s: Stamper) -> None:
+    log = [s.started(), s.intended(1)]
+    assert fold([*log, s.refused(1)]) == fold(log)
+
+
+async def test_told_of_a_refusal_the_scripted_model_corrects_itself(tmp_path) -> None:
+    s = Stamper("renewal-8812")
+    started = s.started().model_copy(update={"input": {
+        "script": [{"tool": "charge_customer", "args": {"amount_cents": 4900},
+                    "reask_args": {"amount_cents": "49.00"}}]}})
+    model = ScriptedModel(call_log=tmp_path / "calls.jsonl")
+    await model.decide(history_of(fold([started]), 1, []))  # the first answer, lost in a crash
+    again = await model.decide(history_of(fold([started]), 1, []))
+    assert again.args == {"amount_cents": "49.00"}
+    corrected = await model.decide(history_of(fold([started, s.refused(1)]), 1, []))
+    assert corrected.args == {"amount_cents": 4900}

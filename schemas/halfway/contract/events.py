@@ -218,6 +218,18 @@ class StepIntended(_StepEvent):
         return self
 
 
+class StepRefused(_Event):
+    """The decider refused the model's proposal for step `n` (not allowed, invalid arguments,
+    against a guard). Nothing was placed; the model sees the reason and decides again."""
+
+    type: Literal["step.refused"] = "step.refused"
+    n: int = Field(ge=1, le=STEP_N_MAX)
+    tool: str
+    args: JsonObject = Field(default_factory=dict)
+    reason: str = Field(min_length=1)
+    decided_by: DecidedBy
+
+
 class StepAttempted(_StepEvent):
     """Journaled by the executor before each request leaves."""
 
@@ -305,6 +317,7 @@ Event = Annotated[
     | TaskStarted
     | TaskRejected
     | StepIntended
+    | StepRefused
     | StepAttempted
     | StepSettled
     | StepChecked
@@ -319,6 +332,7 @@ EVENT_TYPES: tuple[type[BaseModel], ...] = (
     TaskStarted,
     TaskRejected,
     StepIntended,
+    StepRefused,
     StepAttempted,
     StepSettled,
     StepChecked,

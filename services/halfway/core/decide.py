@@ -12,7 +12,8 @@ Once the model answers, `accept_call` turns its proposal into the fields of `ste
 the tool must be allowed for the task and known, the arguments must validate against the
 tool's argument model (strictly: `"49.00"` is not an amount in cents), and the key is minted by
 the harness from the step id. The model never names the key. A proposal that fails is refused
-with a reason the model can read.
+with a reason the model can read: the decider journals `step.refused`, the model sees it and
+decides again, at most REFUSALS_MAX times for one step; then the task fails with the reason.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from pydantic import BaseModel, ValidationError
 
 from halfway.contract import EffectClass, FinalState, Outcome, mint_key, step_id
 from halfway.core.fold import StepStatus, TaskState, TaskStatus
+
+REFUSALS_MAX = 3  # refused proposals for one step before the task gives up
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +102,12 @@ def decide(state: TaskState, *, known_tools: set[str], requested: bool,
         return Finish(FinalState.FAILED, f"the deadline {policy.deadline:%Y-%m-%d %H:%M}Z passed")
     if len(state.steps) >= policy.max_steps:
         return Finish(FinalState.FAILED, f"reached the limit of {policy.max_steps} steps")
-    return Ask(state.next_step_n)
+    n = state.next_step_n
+    refused = state.refused(n)
+    if len(refused) >= REFUSALS_MAX:
+        return Finish(FinalState.FAILED, f"the model's proposals for step {n} were refused "
+                      f"{len(refused)} times; the last: {refused[-1].reason}")
+    return Ask(n)
 
 
 def final_state_for(state: TaskState) -> FinalState:

@@ -47,6 +47,7 @@ from halfway.contract.events import (
     StepAttempted,
     StepChecked,
     StepIntended,
+    StepRefused,
     StepSettled,
     TaskFinished,
     TaskRejected,
@@ -182,6 +183,7 @@ class TaskState:
     rejected: TaskRejected | None = None
     finished: TaskFinished | None = None
     steps: Mapping[int, StepState] = field(default_factory=lambda: MappingProxyType({}))
+    refusals: tuple[StepRefused, ...] = ()  # proposals the decider refused, in log order
     # Events about effects whose step is not (yet) in the log; kept, never dropped.
     orphans: tuple[Event, ...] = ()
     anomalies: tuple[str, ...] = ()
@@ -194,6 +196,10 @@ class TaskState:
 
     def step(self, n: int) -> StepState | None:
         return self.steps.get(n)
+
+    def refused(self, n: int) -> tuple[StepRefused, ...]:
+        """The refused proposals for step `n` (none once step `n` is decided)."""
+        return tuple(r for r in self.refusals if r.n == n)
 
     @property
     def needs_attention(self) -> bool:
@@ -264,6 +270,10 @@ def apply(state: TaskState, event: Event) -> TaskState:
             steps[event.n] = StepState(intent=event)
             state = replace(state, steps=MappingProxyType(steps))
             return _adopt_orphans(state, event.n)
+        case StepRefused():
+            if event.n in state.steps or any(_same_fact(r, event) for r in state.refusals):
+                return state  # too late to matter, or the same refusal written twice
+            return replace(state, refusals=(*state.refusals, event))
         case StepAttempted() | StepSettled() | StepChecked() | CompensationIntended() | \
                 CompensationAttempted() | CompensationSettled():
             return _apply_to_step(state, event)

@@ -18,8 +18,8 @@ from halfway import log
 from halfway.contract import (
     DecidedBy,
     Event,
-    FinalState,
     StepIntended,
+    StepRefused,
     TaskFinished,
     TaskRejected,
     TaskStarted,
@@ -48,10 +48,13 @@ MODEL_TIMEOUT_S = 120.0
 
 class Decider:
     def __init__(self, settings: KafkaSettings, registry: Registry, model: Model,
-                 writer: JournalWriter, *, group: str = "halfway-decider") -> None:
+                 writer: JournalWriter, *, group: str | None = None) -> None:
         self.registry = registry
         self.model = model
         self.writer = writer
+        # One group per deployment (topic prefix): two deployments on one cluster must not
+        # rebalance each other.
+        group = group or f"{settings.topic_prefix}decider"
         self.follower = JournalFollower(settings, group=group, writer=writer,
                                         on_change=self._on_change, with_requests=True)
         self._asking: dict[tuple[str, int], asyncio.Task[None]] = {}
@@ -99,6 +102,8 @@ class Decider:
     async def _ask(self, task_id: str, n: int) -> None:
         with log.bound(task_id=task_id, step_id=f"{task_id}:{n}"):
             try:
+                if not self.follower.owns(task_id):
+                    return  # revoked between the change and this task starting
                 async with self._slots, asyncio.timeout(MODEL_TIMEOUT_S):
                     history = history_of(self._state(task_id), n, self.registry.infos())
                     proposal = await self.model.decide(history)
@@ -110,6 +115,10 @@ class Decider:
                 self.follower.touch(task_id)
 
     async def _place(self, task_id: str, n: int, proposal: Any) -> None:
+        if not self.follower.owns(task_id):
+            self._log.info("the task moved to another decider while the model thought; "
+                           "answer dropped")
+            return
         state = self._state(task_id)
         if decide(state, known_tools=self.registry.names(), requested=True,
                   now=datetime.now(UTC)) != Ask(n):
@@ -122,13 +131,14 @@ class Decider:
         tool = self.registry.get(proposal.tool)
         fields = accept_call(state, n, tool.spec.facts() if tool else None, proposal.tool,
                              proposal.args)
-        if isinstance(fields, Refused):
-            # The model's proposal cannot be placed; the task ends, with the reason, rather
-            # than act on arguments nobody validated.
-            await self._write(TaskFinished(**stamp(task_id), state=FinalState.FAILED,
-                                           summary=fields.reason))
-            return
         decided_by = DecidedBy(model=self.model.name, version=self.model.version)
+        if isinstance(fields, Refused):
+            # Nothing is placed. The refusal is journaled so the model, asked again, reads why.
+            await self._write(StepRefused(**stamp(task_id), n=n, tool=proposal.tool,
+                                          args=proposal.args, reason=fields.reason,
+                                          decided_by=decided_by))
+            self._log.warning("proposal refused", reason=fields.reason)
+            return
         intent = StepIntended(**stamp(task_id), **fields, decided_by=decided_by,
                               saga_role=tool.spec.saga_role if tool else None)
         await self._write(intent)

@@ -52,9 +52,10 @@ TIMEOUT_GRACE_S = 2.0
 
 class Executor:
     def __init__(self, settings: KafkaSettings, registry: Registry, writer: JournalWriter, *,
-                 group: str = "halfway-executor") -> None:
+                 group: str | None = None) -> None:
         self.registry = registry
         self.writer = writer
+        group = group or f"{settings.topic_prefix}executor"  # one group per deployment
         self.follower = JournalFollower(settings, group=group, writer=writer,
                                         on_change=self._on_change)
         self._moves: dict[str, asyncio.Task[None]] = {}  # step id -> the move in flight

@@ -36,6 +36,9 @@ class History:
     input: dict[str, Any]
     tools: list[ToolInfo]
     steps: list[StepView] = field(default_factory=list)
+    # Earlier proposals for step `n` the harness refused, with why: the model should not
+    # propose the same thing again.
+    refusals: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,4 +71,5 @@ def history_of(state: TaskState, n: int, tools: list[ToolInfo]) -> History:
         tools=[t for t in tools if t.name in state.started.allowed_tools],
         steps=[StepView(s.n, s.intent.tool, dict(s.intent.args), s.status, step_line(s))
                for s in state.steps.values()],
+        refusals=[r.reason for r in state.refused(n)],
     )

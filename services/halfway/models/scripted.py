@@ -5,6 +5,7 @@ the last one it finishes with `input.get("summary")`. It behaves like a real mod
 way that matters here: asked twice for the same step it answers differently (a step may carry
 `"reask_args"`, merged over `args` on every ask after the first, e.g. `{"amount_cents":
 "49.00"}`), so tests can prove a resumed task re-reads its decision instead of asking again.
+Told that a proposal was refused, it corrects itself and proposes the script's own args.
 
 Every question is counted. With `HALFWAY_MODEL_CALL_LOG` set, each one is appended as a JSON
 line to that file, so the count survives a kill -9 and is shared by every process.
@@ -57,7 +58,7 @@ class ScriptedModel:
             return ProposeFinish(summary)
         entry = script[history.n - 1]
         args = dict(entry.get("args", {}))
-        if asked_before:
+        if asked_before and not history.refusals:
             args |= entry.get("reask_args", {})
         self._record(history.task_id, history.n, {"tool": entry["tool"], "args": args})
         return ProposeCall(tool=entry["tool"], args=args)
