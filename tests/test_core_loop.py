@@ -90,6 +90,7 @@ async def test_the_renewal_through_real_processes(core: Cluster) -> None:
     await core.faults({"match": {"nth": 1}, "times": 1, "action": {"delay_s": SLOWER_S}})
     await core.start("decider")
     await core.start("executor")
+    await core.start("reconciler")
     task_id = new_id("renewal")
     key = f"{task_id}:1"
     await core.publish(renewal_request(task_id))
@@ -123,6 +124,7 @@ async def test_an_executor_killed_mid_call_is_replaced_and_the_step_settles_once
     long_timeout = {"HALFWAY_CHARGE_TIMEOUT_S": "30"}
     await core.faults({"match": {"nth": 1}, "times": 1, "action": {"delay_s": 8.0}})
     await core.start("decider")
+    await core.start("reconciler")
     first = await core.start("executor", **long_timeout)
     task_id = new_id("crash-exec")
     step_id = f"{task_id}:1"
@@ -160,6 +162,7 @@ async def test_a_decider_killed_after_deciding_rereads_the_decision(core: Cluste
     await core.faults({"match": {"nth": 1}, "times": 1, "action": {"delay_s": 3.0}})
     decider = await core.start("decider")
     await core.start("executor")
+    await core.start("reconciler")
     task_id = new_id("crash-dec")
     await core.publish(renewal_request(task_id))
 
@@ -207,6 +210,7 @@ async def test_two_deciders_and_two_executors_share_the_work_through_rebalances(
     )
     d1 = await core.start("decider")
     e1 = await core.start("executor")
+    await core.start("reconciler")
     ids = [new_id(f"pair-{i:02d}") for i in range(waves * per_wave)]
     mine = set(ids)
     wave = [ids[i * per_wave:(i + 1) * per_wave] for i in range(waves)]
@@ -289,6 +293,7 @@ async def test_two_hundred_renewals_at_once_each_charge_once(core: Cluster) -> N
     )
     await core.start("decider")
     await core.start("executor")
+    await core.start("reconciler")
     ids = [new_id(f"many-{i:03d}") for i in range(count)]
     await core.publish(*(renewal_request(t, invoice=f"INV-{t}", customer=f"cus-{t}")
                          for t in ids))
@@ -329,6 +334,7 @@ async def test_a_task_requested_twice_starts_once(core: Cluster) -> None:
     await core.publish(renewal_request(before, invoice="INV-OTHER", amount_cents=9900))
     await core.start("decider")
     await core.start("executor")
+    await core.start("reconciler")
     # `during`: the second request arrives once the task has started.
     await core.publish(renewal_request(during))
     await core.journal.first(lambda e: isinstance(e, TaskStarted) and e.task_id == during,

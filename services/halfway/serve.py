@@ -20,19 +20,26 @@ from halfway.tools.registry import Registry, default_registry
 class Service(StrEnum):
     DECIDER = "decider"
     EXECUTOR = "executor"
+    RECONCILER = "reconciler"
 
 
 async def run_service(name: Service, settings: KafkaSettings, registry: Registry,
                       model: Model | None = None) -> None:
     """Run one service until cancelled."""
+    from halfway import settings as env
     from halfway.decider.service import Decider
     from halfway.executor.service import Executor
+    from halfway.reconciler.service import Reconciler
 
     async with JournalWriter(settings) as writer:
-        if name is Service.DECIDER:
-            await Decider(settings, registry, model or ScriptedModel(), writer).run()
-        else:
-            await Executor(settings, registry, writer).run()
+        match name:
+            case Service.DECIDER:
+                await Decider(settings, registry, model or ScriptedModel(), writer).run()
+            case Service.EXECUTOR:
+                await Executor(settings, registry, writer).run()
+            case Service.RECONCILER:
+                await Reconciler(settings, registry, writer,
+                                 lookups=env.reconciler_lookups()).run()
 
 
 async def serve(name: Service) -> None:

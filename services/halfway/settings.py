@@ -97,3 +97,27 @@ def charge_timeout_s() -> float:
 def model_call_log() -> str | None:
     """A file the scripted model appends every question to (shared across processes)."""
     return os.environ.get("HALFWAY_MODEL_CALL_LOG") or None
+
+
+def reconciler_lookups() -> bool:
+    """`HALFWAY_RECONCILER_LOOKUPS=off`: only webhooks (and operators) settle unknown steps."""
+    return os.environ.get("HALFWAY_RECONCILER_LOOKUPS", "on").lower() not in ("off", "0", "no")
+
+
+def charge_key_ttl_s() -> float:
+    """How long the payment provider remembers an idempotency key (Stripe v1: 24 h)."""
+    return float(os.environ.get("HALFWAY_CHARGE_KEY_TTL_S", "86400"))
+
+
+DEFAULT_GATEWAY_PORT = 18090
+DEFAULT_PAYSIM_WEBHOOK_SECRET = "whsec_halfway_dev"
+
+
+def gateway_port() -> int:
+    """Where the webhook gateway listens for provider webhooks."""
+    return _port("HALFWAY_GATEWAY_PORT", DEFAULT_GATEWAY_PORT)
+
+
+def paysim_webhook_secret() -> str:
+    """The endpoint secret paysim signs its webhooks with (a dev default; set it anywhere real)."""
+    return os.environ.get("HALFWAY_PAYSIM_WEBHOOK_SECRET") or DEFAULT_PAYSIM_WEBHOOK_SECRET

@@ -51,6 +51,9 @@ class StepPolicy:
     attempts_max: int = 10
     read_attempts_max: int = 3
     lookup_window_s: float = 86_400.0  # after the first attempt; then lookups stop
+    # The provider finishes every request within this bound: past it, a lookup that finds
+    # nothing proves `not_done`. None: nothing found proves nothing.
+    completes_within_s: float | None = None
     check_delays_s: tuple[float, ...] = CHECK_DELAYS_S
 
     def __post_init__(self) -> None:
@@ -166,6 +169,20 @@ def _why_no_retry(effect: EffectState, policy: StepPolicy, now: datetime) -> str
         if now + timedelta(seconds=policy.timeout_s) > forgets:
             return "the provider may have forgotten the key, so a retry could do it twice"
     return None
+
+
+def on_nothing_found(effect: EffectState, policy: StepPolicy,
+                     now: datetime) -> SettleNotDone | datetime | None:
+    """After a lookup that found nothing: proof of `not_done` if the provider has certainly
+    finished every attempt, else when to look again (None: lookups are over)."""
+    if policy.completes_within_s is not None and effect.attempts:
+        last_sent = max(a.started_at for a in effect.attempts)
+        if now >= last_sent + timedelta(seconds=policy.completes_within_s):
+            return SettleNotDone(
+                f"nothing found {(now - last_sent).total_seconds():.0f} s after the last "
+                f"attempt, and the provider finishes every request within "
+                f"{policy.completes_within_s:g} s")
+    return plan_check(effect, policy, now)
 
 
 def plan_check(effect: EffectState, policy: StepPolicy, now: datetime) -> datetime | None:

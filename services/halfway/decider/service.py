@@ -24,6 +24,7 @@ from halfway.contract import (
     TaskRejected,
     TaskStarted,
 )
+from halfway.contract.topics import TASKS
 from halfway.core.decide import (
     Ask,
     Finish,
@@ -56,7 +57,7 @@ class Decider:
         # rebalance each other.
         group = group or f"{settings.topic_prefix}decider"
         self.follower = JournalFollower(settings, group=group, writer=writer,
-                                        on_change=self._on_change, with_requests=True)
+                                        on_change=self._on_change, side=TASKS)
         self._asking: dict[tuple[str, int], asyncio.Task[None]] = {}
         self._slots = asyncio.Semaphore(MODEL_CALLS_MAX)
         self._log = log.get("halfway.decider")

@@ -104,7 +104,7 @@ async def run_halfway(settings: KafkaSettings, url: str, out: Harness) -> None:
     registry = Registry([Tool(charge_customer_spec(timeout_s=CLIENT_TIMEOUT_S),
                               PaymentsAdapter(url))])
     services = [asyncio.create_task(run_service(s, settings, registry, ScriptedModel()))
-                for s in (Service.DECIDER, Service.EXECUTOR)]
+                for s in (Service.DECIDER, Service.EXECUTOR, Service.RECONCILER)]
     task_id = f"renewal-{uuid.uuid4().hex[:6]}"
     started = time.monotonic()
     try:

@@ -1,12 +1,13 @@
 """The executor service: a thin loop around `halfway.core.next_action`.
 
 For every step of the tasks it follows, and that it has no move in flight for, it asks
-`next_action` and performs the answer: journal `step.attempted`, then send the request with
-the step's key (never the other way round); journal the outcome `classify` gives; look an
-unknown effect up; wait for the check schedule; escalate. Moves run as their own tasks (at
-most CALLS_IN_FLIGHT_MAX at once), so a slow provider never blocks other tasks on the same
-partition. After a restart the follower replays the journal, and every "attempted, no
-outcome" step is settled unknown and looked up before anything else.
+`next_action` and performs the calls: journal `step.attempted`, then send the request with
+the step's key (never the other way round); journal the outcome `classify` gives; retry with
+the same key when a lookup found nothing and the key is alive. Lookups and escalations are the
+reconciler's (halfway.reconciler). Moves run as their own tasks (at most CALLS_IN_FLIGHT_MAX at
+once), so a slow provider never blocks other tasks on the same partition. After a restart the
+follower replays the journal, and every "attempted, no outcome" step is settled unknown, so
+the reconciler looks it up before anything else is sent.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from halfway.contract import (
     Outcome,
     SettlementSource,
     StepAttempted,
-    StepChecked,
     StepSettled,
 )
 from halfway.core.classify import TimedOut, classify
@@ -36,14 +36,13 @@ from halfway.core.next_action import (
     SettleUnknown,
     Wait,
     next_action,
-    plan_check,
 )
 from halfway.journal import JournalWriter
 from halfway.journal.follower import JournalFollower
 from halfway.journal.records import stamp
 from halfway.settings import KafkaSettings
 from halfway.tools.registry import Registry, Tool
-from halfway.tools.spec import CallContext, Found, Succeeded
+from halfway.tools.spec import CallContext, Succeeded
 
 CALLS_IN_FLIGHT_MAX = 1000
 # A guard beyond the adapter's own timeout: an adapter that hangs is a timeout too.
@@ -92,8 +91,8 @@ class Executor:
             return
         action = next_action(step.effect, tool.spec.policy(), now)
         match action:
-            case Nothing():
-                return
+            case Nothing() | Lookup() | Escalate():
+                return  # settled, or the reconciler's move: it looks up and escalates
             case Wait(until=until):
                 self._wake_at(step, until, now)
             case _:
@@ -158,31 +157,6 @@ class Executor:
                 await self._write(StepSettled(**stamp(task_id), **settled,
                                               outcome=Outcome.NOT_DONE,
                                               source=SettlementSource.CALL, reason=reason))
-            case Lookup():
-                args = spec.args_model.model_validate(intent.args)
-                ctx = CallContext(step.step_id, intent.key, len(step.effect.attempts),
-                                  spec.timeout_s)
-                found = await tool.adapter.lookup(args, ctx)
-                if isinstance(found, Found) and found.succeeded:
-                    await self._write(StepSettled(**stamp(task_id), **settled,
-                                                  outcome=Outcome.DONE, evidence=found.evidence,
-                                                  source=SettlementSource.LOOKUP))
-                elif isinstance(found, Found):
-                    await self._write(StepSettled(
-                        **stamp(task_id), **settled, outcome=Outcome.NOT_DONE,
-                        source=SettlementSource.LOOKUP,
-                        reason=f"the provider's record shows it failed: {found.reason}"))
-                else:
-                    now = datetime.now(UTC)
-                    next_at = plan_check(step.effect, spec.policy(), now)
-                    found_words = getattr(found, "detail", "nothing")
-                    if next_at is None:
-                        found_words += "; lookups are over and no retry is safe"
-                    await self._write(StepChecked(**stamp(task_id, now), **settled,
-                                                  found=found_words, next_check_at=next_at))
-            case Escalate(reason=reason):
-                await self._write(StepChecked(**stamp(task_id), **settled, found=reason,
-                                              next_check_at=None))
             case _:
                 raise AssertionError(f"unexpected action {action!r}")
 

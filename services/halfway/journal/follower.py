@@ -27,7 +27,8 @@ from aiokafka import ConsumerRebalanceListener, TopicPartition
 
 from halfway import log
 from halfway.contract import Event, TaskRequested
-from halfway.contract.topics import JOURNAL, TASKS, TopicSpec
+from halfway.contract.topics import JOURNAL, TASKS, WEBHOOKS, TopicSpec
+from halfway.contract.webhooks import WebhookReceived
 from halfway.core.fold import TaskState, apply
 from halfway.journal.reader import EventConsumer
 from halfway.journal.writer import JournalWriter
@@ -59,9 +60,13 @@ class _Listener(ConsumerRebalanceListener):
 
 
 class JournalFollower:
+    """`side` is a second topic keyed like the journal (by task id) and read with it: the
+    tasks topic for the decider (requests), the webhooks topic for the reconciler."""
+
     def __init__(self, settings: KafkaSettings, *, group: str, writer: JournalWriter,
-                 on_change: OnChange, with_requests: bool = False) -> None:
-        topics: tuple[TopicSpec, ...] = (JOURNAL, TASKS) if with_requests else (JOURNAL,)
+                 on_change: OnChange, side: TopicSpec | None = None) -> None:
+        assert side in (None, TASKS, WEBHOOKS), "side topics must be keyed by task id"
+        topics: tuple[TopicSpec, ...] = (JOURNAL,) if side is None else (JOURNAL, side)
         self._journal = JOURNAL.name(settings.topic_prefix)
         self._consumer = EventConsumer(settings, topics=topics, group=group, writer=writer,
                                        listener=_Listener(self))
@@ -69,6 +74,9 @@ class JournalFollower:
         self._log = log.get("halfway.follower", group=group)
         self.states: dict[str, TaskState] = {}
         self.requests: dict[str, TaskRequested] = {}  # first request per task, tasks topic
+        # Verified webhooks by our key (step or undo key), in log order; kept until the
+        # partition is revoked, so one that arrives before its step is matched when it appears.
+        self.webhooks: dict[str, list[WebhookReceived]] = {}
         self._partitions: dict[TopicPartition, _Partition] = {}
         self._awaiting: dict[str, tuple[TopicPartition, int]] = {}
         self._dirty: set[str] = set()
@@ -111,10 +119,17 @@ class JournalFollower:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _apply(self, event: Event, tp: TopicPartition, offset: int) -> None:
+    def _apply(self, event: Event | WebhookReceived, tp: TopicPartition, offset: int) -> None:
         part = self._partitions.get(tp)
         if part is None:
             return  # a record fetched just before its partition was revoked
+        if isinstance(event, WebhookReceived):
+            if event.key is None or event.task_id is None:
+                return  # not about any effect of ours: nothing to match it with
+            part.tasks.add(event.task_id)
+            self.webhooks.setdefault(event.key, []).append(event)
+            self._dirty.add(event.task_id)
+            return
         part.tasks.add(event.task_id)
         if isinstance(event, TaskRequested) and tp.topic != self._journal:
             self.requests.setdefault(event.task_id, event)
@@ -169,6 +184,8 @@ class JournalFollower:
                 if not any(task_id in p.tasks for p in self._partitions.values()):
                     self.states.pop(task_id, None)
                     self.requests.pop(task_id, None)
+                    for key in [k for k in self.webhooks if k.startswith(f"{task_id}:")]:
+                        del self.webhooks[key]
                     self._awaiting.pop(task_id, None)
                     self._dirty.discard(task_id)
         if revoked:

@@ -8,18 +8,24 @@ caller, after it has acted on an event: at-least-once, with every output idempot
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from aiokafka.structs import ConsumerRecord
 
 from halfway import log
-from halfway.contract.topics import DEAD_LETTERS, TopicSpec
-from halfway.journal.records import Delivery, InvalidRecord, dead_letter, decode
+from halfway.contract.topics import DEAD_LETTERS, WEBHOOKS, TopicSpec
+from halfway.journal.records import (
+    Delivery,
+    InvalidRecord,
+    dead_letter,
+    decode,
+    decode_webhook,
+)
 from halfway.journal.writer import JournalWriter
 from halfway.settings import KafkaSettings
 
@@ -33,6 +39,10 @@ class EventConsumer:
                  ) -> None:
         self.group = group
         self._topics = [t.name(settings.topic_prefix) for t in topics]
+        # Each topic's own contract: task events everywhere but on the webhooks topic.
+        webhooks = WEBHOOKS.name(settings.topic_prefix)
+        self._decoders: dict[str, Callable[[ConsumerRecord], Any]] = {
+            name: decode_webhook if name == webhooks else decode for name in self._topics}
         self._listener = listener
         self._writer = writer  # for dead letters
         self._log = log.get("halfway.journal", group=group)
@@ -92,7 +102,7 @@ class EventConsumer:
 
     async def _accept(self, record: ConsumerRecord) -> Delivery | None:
         try:
-            event = decode(record)
+            event = self._decoders[record.topic](record)
         except InvalidRecord as exc:
             await self._dead_letter(record, exc.reason)
             return None

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from halfway.contract import Event, encode_event, parse_event
 from halfway.contract.events import DeadLetter
+from halfway.contract.webhooks import WebhookReceived, parse_webhook
 
 Headers = list[tuple[str, bytes]]
 REASON_LENGTH_MAX = 2000
@@ -64,6 +65,19 @@ def decode(record: ConsumerRecord) -> Event:
     return event
 
 
+def decode_webhook(record: ConsumerRecord) -> WebhookReceived:
+    """The verified webhook a record of the webhooks topic holds, or InvalidRecord."""
+    if record.value is None:
+        raise InvalidRecord("the record has no value (a tombstone)")
+    try:
+        hook = parse_webhook(record.value)
+    except ValidationError as exc:
+        raise InvalidRecord(_describe(exc)) from exc
+    if record.key is not None and record.key != hook.record_key():
+        raise InvalidRecord(f"record key {record.key!r} is not the webhook's {hook.record_key()!r}")
+    return hook
+
+
 def _describe(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors(include_url=False):
@@ -74,9 +88,9 @@ def _describe(exc: ValidationError) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Delivery:
-    """A valid event and where it sits in the log."""
+    """A valid record (a task event, or a verified webhook) and where it sits in the log."""
 
-    event: Event
+    event: Any  # Event, or WebhookReceived on the webhooks topic
     topic: str
     partition: int
     offset: int

@@ -41,5 +41,6 @@ def default_registry() -> Registry:
     """The tools of this deployment, configured from the environment."""
     from halfway.tools.payments import PaymentsAdapter, charge_customer_spec
 
-    return Registry([Tool(charge_customer_spec(timeout_s=settings.charge_timeout_s()),
-                          PaymentsAdapter(settings.paysim_url()))])
+    spec = charge_customer_spec(timeout_s=settings.charge_timeout_s(),
+                                key_ttl_s=settings.charge_key_ttl_s())
+    return Registry([Tool(spec, PaymentsAdapter(settings.paysim_url()))])

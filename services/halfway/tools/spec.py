@@ -14,6 +14,9 @@ The rules a tool author must know, in one place:
 - **subject(args)** names the business object the call touches (`invoice:INV-2291`).
 - **lookup** (on the adapter) asks the provider whether the effect named by our key exists. A
   tool without a lookup can only be settled by its reply, a webhook or an operator.
+- **completes_within_s**: declare it only if the provider finishes every request within that
+  bound; then a lookup that finds nothing after it proves `not_done`. Leave it None when the
+  provider's search can lag (Stripe's can, by minutes): nothing found then proves nothing.
 
 The adapter never decides outcomes: it reports what it saw (a result with evidence, or a
 `CallFailure`), and the pure core classifies.
@@ -100,6 +103,7 @@ class ToolSpec:
     has_lookup: bool = True
     read_attempts_max: int = 3
     attempts_max: int = 10  # every retry loop has a bound
+    completes_within_s: float | None = None
     saga_role: SagaRole | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -108,6 +112,7 @@ class ToolSpec:
             effect_class=self.effect_class, timeout_s=self.timeout_s, key_ttl_s=self.key_ttl_s,
             key_ttl_margin_s=self.key_ttl_margin_s, has_lookup=self.has_lookup,
             attempts_max=self.attempts_max, read_attempts_max=self.read_attempts_max,
+            completes_within_s=self.completes_within_s,
             **({"lookup_window_s": self.key_ttl_s} if self.key_ttl_s else {}),
         )
 

@@ -1,0 +1,1 @@
+"""The reconciler: settles unknown steps from provider webhooks and lookups."""

@@ -1,0 +1,178 @@
+"""The reconciler service: an unknown step must become known.
+
+It follows the journal and the webhooks topic together (both keyed by task id, so one instance
+sees a task's steps and the webhooks about them), and for each changed task:
+
+- matches verified webhooks to steps by our key (`reconcile.webhook_verdict`) and journals the
+  settlement with source `webhook`. A webhook whose step is not in the journal yet stays in the
+  follower's view, and is matched when the step appears; a restart re-reads both topics, so
+  neither an unknown step nor an unmatched webhook is ever lost;
+- performs the lookups `next_action` asks for, on the check schedule: a found effect is
+  settled (source `lookup`); nothing found is journaled as `step.checked` with the time of the
+  next check (`on_nothing_found`), or as proof of `not_done` when the tool declares that its
+  provider finishes every request within a bound;
+- escalates: when no lookup is left and no retry is safe, a `step.checked` with no next check
+  says the step needs an operator (`halfway resolve`).
+
+Calls (first attempts and retries with the same key) are the executor's; this service never
+sends one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+
+from halfway import log
+from halfway.contract import Event, Outcome, SettlementSource, StepChecked, StepSettled
+from halfway.contract.topics import WEBHOOKS
+from halfway.core.fold import StepState
+from halfway.core.next_action import (
+    Escalate,
+    Lookup,
+    SettleNotDone,
+    Wait,
+    next_action,
+    on_nothing_found,
+)
+from halfway.core.reconcile import webhook_verdict
+from halfway.journal import JournalWriter
+from halfway.journal.follower import JournalFollower
+from halfway.journal.records import stamp
+from halfway.settings import KafkaSettings
+from halfway.tools.registry import Registry, Tool
+from halfway.tools.spec import CallContext, Found
+
+LOOKUPS_IN_FLIGHT_MAX = 200
+
+
+class Reconciler:
+    def __init__(self, settings: KafkaSettings, registry: Registry, writer: JournalWriter, *,
+                 lookups: bool = True, group: str | None = None) -> None:
+        self.registry = registry
+        self.writer = writer
+        self.lookups = lookups  # off: only webhooks (and operators) settle unknown steps
+        group = group or f"{settings.topic_prefix}reconciler"  # one group per deployment
+        self.follower = JournalFollower(settings, group=group, writer=writer,
+                                        on_change=self._on_change, side=WEBHOOKS)
+        self._moves: dict[str, asyncio.Task[None]] = {}
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._slots = asyncio.Semaphore(LOOKUPS_IN_FLIGHT_MAX)
+        self._log = log.get("halfway.reconciler")
+
+    async def run(self) -> None:
+        await self.follower.start()
+        try:
+            await self.follower.run()
+        finally:
+            for timer in self._timers.values():
+                timer.cancel()
+            for move in self._moves.values():
+                move.cancel()
+            await self.follower.stop()
+
+    async def _on_change(self, task_ids: set[str]) -> None:
+        now = datetime.now(UTC)
+        for task_id in task_ids:
+            state = self.follower.states.get(task_id)
+            if state is None:
+                continue  # webhooks for a task not in the journal yet: kept, matched later
+            for step in state.steps.values():
+                if step.step_id in self._moves:
+                    continue
+                with log.bound(task_id=task_id, step_id=step.step_id):
+                    if not await self._match_webhooks(step):
+                        self._consider(step, now)
+
+    async def _match_webhooks(self, step: StepState) -> bool:
+        """Journal what the first webhook with news says; True if one was written."""
+        for hook in self.follower.webhooks.get(step.intent.key, ()):
+            verdict = webhook_verdict(step.effect, hook)
+            if verdict is None:
+                continue
+            await self._write(StepSettled(
+                **stamp(step.intent.task_id), step_id=step.step_id, outcome=verdict.outcome,
+                evidence=verdict.evidence, reason=verdict.reason,
+                source=SettlementSource.WEBHOOK))
+            self._log.info("settled by webhook", outcome=verdict.outcome,
+                           provider_event_id=hook.provider_event_id)
+            return True  # the fold must see it before the next webhook is weighed
+        return False
+
+    def _consider(self, step: StepState, now: datetime) -> None:
+        tool = self.registry.get(step.intent.tool)
+        if tool is None:
+            return
+        action = next_action(step.effect, tool.spec.policy(), now)
+        match action:
+            case Lookup() if self.lookups:
+                self._moves[step.step_id] = asyncio.create_task(self._lookup(step, tool))
+            case Escalate(reason=reason):
+                self._moves[step.step_id] = asyncio.create_task(self._escalate(step, reason))
+            case Wait(until=until):
+                self._wake_at(step, until, now)
+            case _:
+                pass  # settled, or the executor's move (a call), or lookups are off
+
+    def _wake_at(self, step: StepState, until: datetime, now: datetime) -> None:
+        if (old := self._timers.pop(step.step_id, None)) is not None:
+            old.cancel()
+        delay_s = max(0.0, (until - now).total_seconds())
+        self._timers[step.step_id] = asyncio.get_running_loop().call_later(
+            delay_s, self.follower.touch, step.intent.task_id)
+
+    async def _lookup(self, step: StepState, tool: Tool) -> None:
+        intent, spec = step.intent, tool.spec
+        with log.bound(task_id=intent.task_id, step_id=step.step_id):
+            try:
+                async with self._slots:
+                    args = spec.args_model.model_validate(intent.args)
+                    ctx = CallContext(step.step_id, intent.key, len(step.effect.attempts),
+                                      spec.timeout_s)
+                    found = await tool.adapter.lookup(args, ctx)
+                    await self._record_lookup(step, tool, found)
+            except Exception:
+                self._log.exception("lookup failed; it is tried again at the next change")
+            finally:
+                del self._moves[step.step_id]
+                self.follower.touch(intent.task_id)
+
+    async def _record_lookup(self, step: StepState, tool: Tool, found: object) -> None:
+        task_id, settled = step.intent.task_id, {"step_id": step.step_id}
+        if isinstance(found, Found) and found.succeeded:
+            await self._write(StepSettled(**stamp(task_id), **settled, outcome=Outcome.DONE,
+                                          evidence=found.evidence,
+                                          source=SettlementSource.LOOKUP))
+            return
+        if isinstance(found, Found):
+            await self._write(StepSettled(
+                **stamp(task_id), **settled, outcome=Outcome.NOT_DONE,
+                source=SettlementSource.LOOKUP,
+                reason=f"the provider's record shows it failed: {found.reason}"))
+            return
+        now = datetime.now(UTC)
+        detail = getattr(found, "detail", "nothing found")
+        after = on_nothing_found(step.effect, tool.spec.policy(), now)
+        if isinstance(after, SettleNotDone):
+            await self._write(StepSettled(**stamp(task_id, now), **settled,
+                                          outcome=Outcome.NOT_DONE,
+                                          source=SettlementSource.LOOKUP, reason=after.reason))
+            return
+        if after is None:
+            detail += "; lookups are over and no retry is safe: an operator must resolve it"
+        await self._write(StepChecked(**stamp(task_id, now), **settled, found=detail,
+                                      next_check_at=after))
+        self._log.info("checked: nothing yet", next_check_at=after)
+
+    async def _escalate(self, step: StepState, reason: str) -> None:
+        try:
+            await self._write(StepChecked(**stamp(step.intent.task_id), step_id=step.step_id,
+                                          found=reason, next_check_at=None))
+            self._log.warning("needs an operator", reason=reason)
+        finally:
+            del self._moves[step.step_id]
+            self.follower.touch(step.intent.task_id)
+
+    async def _write(self, event: Event) -> None:
+        meta = await self.writer.append(event)
+        self.follower.note_write(event.task_id, meta.partition, meta.offset)
