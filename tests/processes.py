@@ -307,6 +307,7 @@ class Cluster:
     workdir: Path
     charge_timeout_s: float = 1.0
     sim_url: str = ""
+    gateway_url: str = ""
     procs: list[Proc] = field(default_factory=list)
     watcher: JournalWatcher | None = None
     writer: JournalWriter | None = None
@@ -349,9 +350,24 @@ class Cluster:
         self.procs.append(proc)
         return proc
 
-    async def start_simulator(self) -> str:
-        proc = await self._spawn("paysim", ["-m", "halfway.simulators.payments", "--port", "0"],
-                                 self.env(), stdout=asyncio.subprocess.PIPE)
+    async def start_gateway(self) -> str:
+        """`halfway run gateway` on a free port; returns its paysim webhook endpoint."""
+        proc = await self._spawn("gateway", ["-m", "halfway.cli", "run", "gateway"],
+                                 self.env(HALFWAY_GATEWAY_PORT="0"),
+                                 stdout=asyncio.subprocess.PIPE)
+        assert proc.process.stdout is not None
+        try:
+            line = await asyncio.wait_for(proc.process.stdout.readline(), START_TIMEOUT_S)
+        except TimeoutError:
+            raise AssertionError("the gateway did not start\n" + proc.tail()) from None
+        text = line.decode().strip()
+        assert text.startswith("listening on http://"), f"{text!r}\n{proc.tail()}"
+        self.gateway_url = text.removeprefix("listening on ") + "/webhooks/paysim"
+        return self.gateway_url
+
+    async def start_simulator(self, *args: str) -> str:
+        proc = await self._spawn("paysim", ["-m", "halfway.simulators.payments", "--port", "0",
+                                            *args], self.env(), stdout=asyncio.subprocess.PIPE)
         assert proc.process.stdout is not None
         try:
             line = await asyncio.wait_for(proc.process.stdout.readline(), START_TIMEOUT_S)
@@ -379,6 +395,13 @@ class Cluster:
             response = await client.request(method, path, json=body)
             response.raise_for_status()
             return response.json()
+
+    async def webhook_behaviour(self, **settings: Any) -> None:
+        """paused, duplicate_p, delay_s_max, seed: how the provider delivers webhooks."""
+        await self._sim("POST", "/_sim/webhooks", settings)
+
+    async def webhook_log(self) -> dict[str, Any]:
+        return await self._sim("GET", "/_sim/webhooks")
 
     async def faults(self, *rules: dict[str, Any]) -> None:
         """Reset the simulator and arm these fault rules (request numbers count from 1)."""
@@ -433,7 +456,7 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def cluster(base: KafkaSettings, workdir: Path, *, charge_timeout_s: float = 1.0,
-                  ) -> Any:
+                  sim_args: tuple[str, ...] = (), webhooks: bool = False) -> Any:
     """A fresh prefix with its topics, a simulator, a writer for requests and a watcher."""
     settings = KafkaSettings(bootstrap=base.bootstrap,
                              topic_prefix=f"core-{uuid.uuid4().hex[:8]}.",
@@ -445,7 +468,9 @@ async def cluster(base: KafkaSettings, workdir: Path, *, charge_timeout_s: float
         await out.writer.start()
         out.watcher = JournalWatcher(settings)
         await out.watcher.start()
-        await out.start_simulator()
+        if webhooks:  # the provider signs and sends webhooks to our gateway
+            sim_args = (*sim_args, "--webhook-url", await out.start_gateway())
+        await out.start_simulator(*sim_args)
         yield out
     finally:
         await out.close()

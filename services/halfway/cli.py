@@ -92,24 +92,79 @@ def demo(name: Annotated[Demo, typer.Argument()] = Demo.RENEWAL,
         raise typer.Exit(1)
 
 
+class Runnable(StrEnum):
+    DECIDER = "decider"
+    EXECUTOR = "executor"
+    RECONCILER = "reconciler"
+    GATEWAY = "gateway"
+
+
 @app.command()
-def run(service: Annotated[Service, typer.Argument(help="which service")]) -> None:
-    """Run a service (decider or executor) until SIGTERM."""
+def run(service: Annotated[Runnable, typer.Argument(help="which service")]) -> None:
+    """Run a service (decider, executor, reconciler, gateway) until SIGTERM."""
+    if service is Runnable.GATEWAY:
+        from halfway.gateway import serve_gateway
+
+        log.configure()
+        asyncio.run(serve_gateway())
+        return
     from halfway.serve import serve
 
-    asyncio.run(serve(service))
+    asyncio.run(serve(Service(service.value)))
 
 
 @app.command()
 def sim(port: Annotated[int, typer.Option(help="0 picks a free port")] = 18080,
         host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
         key_ttl_s: Annotated[float, typer.Option(help="how long keys are remembered")] = 86400.0,
+        webhook_url: Annotated[str | None, typer.Option(
+            help="where to send signed webhooks, e.g. http://127.0.0.1:18090/webhooks/paysim",
+        )] = None,
         ) -> None:
     """Run the payment provider simulator (Stripe-like) until stopped."""
+    from halfway import settings
     from halfway.simulators import payments
 
-    raise typer.Exit(payments.main(["--host", host, "--port", str(port),
-                                    "--key-ttl-s", str(key_ttl_s)]))
+    args = ["--host", host, "--port", str(port), "--key-ttl-s", str(key_ttl_s)]
+    if webhook_url:
+        args += ["--webhook-url", webhook_url,
+                 "--webhook-secret", settings.paysim_webhook_secret()]
+    raise typer.Exit(payments.main(args))
+
+
+class Verdict(StrEnum):
+    DONE = "done"
+    NOT_DONE = "not_done"
+
+
+@app.command()
+def resolve(
+    step: Annotated[str, typer.Argument(help="the step id, e.g. renewal-8812:1")],
+    outcome: Annotated[Verdict, typer.Argument(help="done or not_done")],
+    evidence: Annotated[list[str] | None, typer.Option(
+        help="key=value, repeatable; done needs at least one")] = None,
+    reason: Annotated[str | None, typer.Option(help="why; not_done needs one")] = None,
+    by: Annotated[str, typer.Option(help="who resolves it")] = "operator",
+    force: Annotated[bool, typer.Option(help="settle a step already settled")] = False,
+) -> None:
+    """Settle a step by hand (source: operator), for steps that need attention."""
+    from halfway.contract import Outcome
+    from halfway.resolve import ResolveRefused
+    from halfway.resolve import resolve as resolve_step
+
+    pairs = [e.split("=", 1) for e in evidence or []]
+    if any(len(p) != 2 for p in pairs):
+        typer.echo("evidence must be key=value", err=True)
+        raise typer.Exit(2)
+    log.configure(level="WARNING")
+    try:
+        event = asyncio.run(resolve_step(
+            KafkaSettings.from_env(), step, Outcome(outcome.value),
+            evidence=dict(pairs) or None, reason=reason, by=by, force=force))
+    except ResolveRefused as exc:
+        typer.echo(f"refused: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"{step}: {event.outcome} (source operator, by {by})")
 
 
 @app.command()
@@ -128,7 +183,8 @@ def replay(task: Annotated[str | None, typer.Option(help="only this task")] = No
                                "tasks": [task_summary(s) for s in states]}, default=str))
         return
     for state in states:
-        typer.echo(f"{state.task_id}: {state.final_state or state.status}")
+        attention = " (needs attention)" if state.needs_attention else ""
+        typer.echo(f"{state.task_id}: {state.final_state or state.status}{attention}")
         for step in state.steps.values():
             typer.echo(f"  {step.step_id}  {step_line(step)}")
     typer.echo(f"{result.events} events, {len(result.invalid)} invalid, {len(states)} tasks",

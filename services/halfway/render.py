@@ -44,6 +44,7 @@ def task_summary(state: TaskState) -> dict[str, Any]:
         "task_id": state.task_id,
         "status": state.status,
         "final_state": state.final_state,
+        "needs_attention": state.needs_attention,
         "steps": [
             {
                 "step_id": step.step_id,

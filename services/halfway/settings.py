@@ -18,7 +18,8 @@ PG_USER = "postgres"
 PG_DATABASE = "halfway"
 
 
-def _port(name: str, default: int) -> int:
+def _port(name: str, default: int, *, any_free: bool = False) -> int:
+    """A port from the environment; with `any_free`, 0 means "pick a free one"."""
     raw = os.environ.get(name)
     if not raw:
         return default
@@ -26,7 +27,7 @@ def _port(name: str, default: int) -> int:
         port = int(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not a port number") from None
-    if not 1 <= port <= 65535:
+    if not (0 if any_free else 1) <= port <= 65535:
         raise ValueError(f"{name}={port} is outside 1..65535")
     return port
 
@@ -114,8 +115,13 @@ DEFAULT_PAYSIM_WEBHOOK_SECRET = "whsec_halfway_dev"
 
 
 def gateway_port() -> int:
-    """Where the webhook gateway listens for provider webhooks."""
-    return _port("HALFWAY_GATEWAY_PORT", DEFAULT_GATEWAY_PORT)
+    """Where the webhook gateway listens for provider webhooks (0: any free port)."""
+    return _port("HALFWAY_GATEWAY_PORT", DEFAULT_GATEWAY_PORT, any_free=True)
+
+
+def gateway_host() -> str:
+    """The address the webhook gateway listens on (0.0.0.0 in a container)."""
+    return os.environ.get("HALFWAY_GATEWAY_HOST") or HOST
 
 
 def paysim_webhook_secret() -> str:

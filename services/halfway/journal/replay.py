@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.partitioner import murmur2
 
 from halfway.contract.topics import JOURNAL, TopicSpec
 from halfway.core.fold import TaskState, apply
@@ -31,13 +32,16 @@ class ReplayResult:
 
 async def read_topic(settings: KafkaSettings, spec: TopicSpec = JOURNAL,
                      invalid: list[tuple[int, int, str]] | None = None,
-                     ) -> AsyncIterator[Delivery]:
+                     only_key: bytes | None = None) -> AsyncIterator[Delivery]:
     """Every valid event of a topic, from the beginning to the end it had when we started.
 
     Invalid records are skipped (the live consumers dead-letter them) and listed in `invalid`.
+    With `only_key`, only the partition that key maps to is read.
     """
     topic = spec.name(settings.topic_prefix)
     partitions = await _partitions(settings.bootstrap, topic)
+    if only_key is not None:
+        partitions = {partition_of(only_key, len(partitions))}
     consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap, group_id=None,
                                 enable_auto_commit=False, isolation_level="read_committed")
     await consumer.start()
@@ -68,6 +72,20 @@ async def read_topic(settings: KafkaSettings, spec: TopicSpec = JOURNAL,
             behind = {tp for tp in behind if await consumer.position(tp) < end[tp]}
     finally:
         await consumer.stop()
+
+
+def partition_of(key: bytes, partitions: int) -> int:
+    """The partition the producer's default partitioner gives `key` (murmur2, as Java's)."""
+    return (murmur2(key) & 0x7FFFFFFF) % partitions
+
+
+async def task_state(settings: KafkaSettings, task_id: str) -> TaskState:
+    """One task's state, folded from its journal partition alone."""
+    state = TaskState(task_id=task_id)
+    async for delivery in read_topic(settings, JOURNAL, only_key=task_id.encode()):
+        if delivery.event.task_id == task_id:
+            state = apply(state, delivery.event)
+    return state
 
 
 async def replay(settings: KafkaSettings, spec: TopicSpec = JOURNAL) -> ReplayResult:

@@ -33,7 +33,19 @@ Bounds: at most `STORE_ENTRIES_MAX` keys, charges and logged create requests, an
 `IN_FLIGHT_MAX` executions at once; past them a create request is refused with 503 (unsaved),
 never silently dropped, because the ledger is the ground truth tests compare with.
 
-Not modelled: API keys (401), search indexing lag, list paging cursors, webhooks.
+Webhooks (with `--webhook-url`): every committed charge, succeeded or failed, is delivered as a
+`charge.succeeded` or `charge.failed` event (the charge as `data.object`, our key in
+`request.idempotency_key`), POSTed with a `Stripe-Signature` header signed with
+`--webhook-secret`. Like Stripe's: at least once, retried with backoff on a non-2xx answer or a
+connection error (a bounded number of attempts, Stripe's days compressed into about a minute),
+re-signed at every attempt with a fresh timestamp, and ended by a 2xx or by a 409 (the receiver
+says it already accepted this exact signature). `POST /_sim/webhooks` makes it worse on purpose:
+a second delivery of some events (`duplicate_p`, a provider retry), a random delay before each
+delivery (`delay_s_max`, so events arrive out of order), and `paused` (deliveries wait until
+unpaused, so a test decides when a webhook arrives). `GET /_sim/webhooks` lists every attempt.
+A reset cancels the deliveries not yet made and restores the defaults.
+
+Not modelled: API keys (401), search indexing lag, list paging cursors, thin (v2) events.
 """
 
 from __future__ import annotations
@@ -49,13 +61,16 @@ import signal
 import socket
 import sys
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import aiohttp
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from halfway.webhooks.signature import sign
 
 HOST = "127.0.0.1"
 KEY_TTL_S_DEFAULT = 86_400.0  # Stripe API v1 keeps keys at least 24 h
@@ -77,6 +92,13 @@ SHUTDOWN_TIMEOUT_S = 2.0  # a stopping simulator does not wait for slow (delayed
 BACKLOG = 1024  # hundreds of clients connect at once in tests; the default 128 would drop SYNs
 API_VERSION = "2024-06-20"
 CHARGE_PARAMS = frozenset({"amount", "currency", "customer", "description", "metadata"})
+WEBHOOK_SECRET_DEFAULT = "whsec_halfway_dev"
+WEBHOOK_ATTEMPTS_MAX = 12  # per delivery; then it is given up (and listed as such)
+WEBHOOK_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 4.0)  # after attempt 1, 2, ...; then the last, again
+WEBHOOK_TIMEOUT_S = 10.0  # one POST, connect to last byte
+WEBHOOK_DELIVERIES_MAX = 2 * STORE_ENTRIES_MAX  # each charge gives at most two deliveries
+WEBHOOK_LOG_MAX = STORE_ENTRIES_MAX  # attempts listed; the oldest go first
+WEBHOOK_ANSWER_BYTES_MAX = 500  # of each answer's body, kept in the attempt list
 
 _NESTED_PARAM = re.compile(r"([A-Za-z_]+)\[([^\[\]]+)\]")
 _AMOUNT = re.compile(r"[0-9]+")
@@ -163,6 +185,169 @@ class _ArmedRule:
 NO_FAULT = FaultAction()
 
 
+# --- webhooks ------------------------------------------------------------------------------------
+
+
+class WebhookSettings(BaseModel):
+    """How deliveries behave (the JSON body of POST /_sim/webhooks; fields left out keep their
+    current values)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    paused: bool = False  # deliveries wait (before their next attempt) until unpaused
+    duplicate_p: float = Field(default=0.0, ge=0.0, le=1.0)  # chance of a second delivery
+    delay_s_max: float = Field(default=0.0, ge=0.0, le=DELAY_S_MAX)  # random delay before each
+    seed: int | None = None  # seeds the duplicate and delay draws, so runs repeat
+
+
+class WebhookSender:
+    """Where webhooks go and how they are signed: one per process, kept across resets."""
+
+    def __init__(self, url: str, secret: str) -> None:
+        self.url = url
+        self.secret = secret
+        self._session: aiohttp.ClientSession | None = None
+
+    async def post(self, body: bytes, signature: str) -> tuple[int | None, str | None,
+                                                                 str | None]:
+        """One attempt: (status, the start of the answer, error) with status None when no
+        answer came (refused, reset, timed out)."""
+        if self._session is None:  # made here, on the running loop, at first use
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=WEBHOOK_TIMEOUT_S))
+        try:
+            async with self._session.post(self.url, data=body, headers={
+                    "Content-Type": "application/json; charset=utf-8",
+                    "Stripe-Signature": signature,
+                    "User-Agent": "paysim (Stripe-like webhooks)"}) as response:
+                answer = await response.content.read(WEBHOOK_ANSWER_BYTES_MAX)
+                return response.status, answer.decode("utf-8", "replace"), None
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return None, None, f"{type(exc).__name__}: {exc}"[:WEBHOOK_ANSWER_BYTES_MAX]
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+@dataclass(slots=True)
+class _Outgoing:
+    """One event to deliver, shared by its deliveries (the first and a duplicate)."""
+
+    event: dict[str, Any]
+    body: bytes
+    last_signed_s: int = 0
+
+    def next_timestamp(self) -> int:
+        """A timestamp for the next signature of this event, later than every earlier one.
+
+        Two signatures of one body in the same second would be the same header, which a
+        receiver rightly refuses as a replay; a provider's retry is always a new header.
+        Wall time, not the simulator's clock: moving that forward to expire keys must not make
+        every webhook stale."""
+        self.last_signed_s = max(int(time.time()), self.last_signed_s + 1)
+        return self.last_signed_s
+
+
+@dataclass
+class WebhookDeliveries:
+    """The deliveries of one SimState. `sender` None: no --webhook-url, nothing is sent."""
+
+    sender: WebhookSender | None
+    settings: WebhookSettings = field(default_factory=WebhookSettings)
+    rng: random.Random = field(default_factory=random.Random)
+    released: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)  # strong references
+    held: int = 0  # deliveries waiting for an unpause
+    attempts: deque[dict[str, Any]] = field(
+        default_factory=lambda: deque(maxlen=WEBHOOK_LOG_MAX))
+    attempts_dropped: int = 0  # listed attempts pushed out by newer ones
+
+    def __post_init__(self) -> None:
+        self.released.set()
+
+    def configure(self, update: WebhookSettings) -> None:
+        given = update.model_fields_set
+        self.settings = self.settings.model_copy(
+            update={name: getattr(update, name) for name in given})
+        if "seed" in given:
+            self.rng = random.Random(update.seed)
+        if self.settings.paused:
+            self.released.clear()
+        else:
+            self.released.set()
+
+    def send(self, event: dict[str, Any]) -> None:
+        """Schedule the deliveries of a committed charge's event (called as it commits)."""
+        if self.sender is None:
+            return
+        outgoing = _Outgoing(event, json.dumps(event).encode())
+        # Drawn at commit, in commit order, so a seed gives the same draws for the same charges.
+        copies = 2 if self.rng.random() < self.settings.duplicate_p else 1
+        delays_s = [self.rng.uniform(0.0, self.settings.delay_s_max) for _ in range(copies)]
+        for copy, delay_s in enumerate(delays_s, start=1):
+            if len(self.tasks) >= WEBHOOK_DELIVERIES_MAX:
+                self._log(outgoing, copy, 0, None, None, "dropped: too many deliveries pending",
+                          final=True)
+                continue
+            task = asyncio.create_task(self._deliver(self.sender, outgoing, copy, delay_s))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _deliver(self, sender: WebhookSender, outgoing: _Outgoing, copy: int,
+                       delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        for attempt in range(1, WEBHOOK_ATTEMPTS_MAX + 1):
+            if not self.released.is_set():
+                self.held += 1
+                try:
+                    await self.released.wait()
+                finally:
+                    self.held -= 1
+            signed_at_s = outgoing.next_timestamp()
+            # Never sign a time that has not come yet: wait for it (under a second).
+            await asyncio.sleep(max(0.0, signed_at_s - time.time()))
+            status, answer, error = await sender.post(
+                outgoing.body, sign(outgoing.body, sender.secret, signed_at_s))
+            # 409: the receiver already accepted this very signature; sending it on is useless.
+            delivered = status is not None and (200 <= status < 300 or status == 409)
+            self._log(outgoing, copy, attempt, status, answer, error, signed_at_s,
+                      final=delivered or attempt == WEBHOOK_ATTEMPTS_MAX)
+            if delivered:
+                return
+            if attempt < WEBHOOK_ATTEMPTS_MAX:
+                await asyncio.sleep(WEBHOOK_BACKOFF_S[min(attempt, len(WEBHOOK_BACKOFF_S)) - 1])
+
+    def _log(self, outgoing: _Outgoing, copy: int, attempt: int, status: int | None,
+             answer: str | None, error: str | None, signed_at_s: int | None = None, *,
+             final: bool) -> None:
+        if len(self.attempts) == self.attempts.maxlen:
+            self.attempts_dropped += 1
+        event = outgoing.event
+        self.attempts.append({
+            "at": time.time(), "event_id": event["id"], "type": event["type"],
+            "charge_id": event["data"]["object"]["id"],
+            "key": event["request"]["idempotency_key"], "delivery": copy, "attempt": attempt,
+            "signed_at": signed_at_s, "status": status, "answer": answer, "error": error,
+            "final": final,  # the last attempt of this delivery: delivered or given up
+        })
+
+    def cancel(self) -> list[asyncio.Task[None]]:
+        tasks = list(self.tasks)
+        for task in tasks:
+            task.cancel()
+        return tasks
+
+    def describe(self, *, attempts: bool = True) -> dict[str, Any]:
+        described: dict[str, Any] = {
+            "url": None if self.sender is None else self.sender.url,
+            "settings": self.settings.model_dump(), "pending": len(self.tasks),
+            "held": self.held, "attempts_dropped": self.attempts_dropped}
+        if attempts:
+            described["attempts"] = list(self.attempts)
+        return described
+
+
 # --- state ---------------------------------------------------------------------------------------
 
 
@@ -199,6 +384,7 @@ class SimState:
     creates_since_rules: int = 0
     in_flight: int = 0
     executions: set[asyncio.Task[tuple[int, dict[str, Any]]]] = field(default_factory=set)
+    webhooks: WebhookDeliveries = field(default_factory=lambda: WebhookDeliveries(None))
 
     def now_s(self) -> float:
         return time.time() + self.clock_offset_s
@@ -244,6 +430,7 @@ class SimState:
             "livemode": False,
             "pending_webhooks": 0,
         })
+        self.webhooks.send(self.events[-1])
 
 
 @dataclass
@@ -251,6 +438,10 @@ class Simulator:
     """The app's handle on its state; `state` is replaced on reset (an aiohttp app is frozen)."""
 
     state: SimState
+    webhook_sender: WebhookSender | None = None
+
+    def new_state(self, key_ttl_s: float) -> SimState:
+        return SimState(key_ttl_s=key_ttl_s, webhooks=WebhookDeliveries(self.webhook_sender))
 
 
 SIM = web.AppKey("sim", Simulator)
@@ -637,8 +828,25 @@ async def requests_log(request: web.Request) -> web.Response:
 
 async def reset(request: web.Request) -> web.Response:
     sim = request.app[SIM]
-    sim.state = SimState(key_ttl_s=sim.state.key_ttl_s)
+    old = sim.state
+    sim.state = sim.new_state(old.key_ttl_s)
+    old.webhooks.cancel()  # what was not delivered yet never will be: a test starts clean
     return web.json_response({"reset": True})
+
+
+async def set_webhooks(request: web.Request) -> web.Response:
+    try:
+        update = WebhookSettings.model_validate_json(await request.read())
+    except ValidationError as exc:
+        return web.json_response({"error": {"type": "invalid_request_error",
+                                            "message": str(exc)}}, status=400)
+    webhooks = request.app[SIM].state.webhooks
+    webhooks.configure(update)
+    return web.json_response(webhooks.describe(attempts=False))
+
+
+async def list_webhooks(request: web.Request) -> web.Response:
+    return web.json_response(request.app[SIM].state.webhooks.describe())
 
 
 async def advance_clock(request: web.Request) -> web.Response:
@@ -661,11 +869,14 @@ async def advance_clock(request: web.Request) -> web.Response:
 # --- app and process -----------------------------------------------------------------------------
 
 
-def make_app(key_ttl_s: float = KEY_TTL_S_DEFAULT) -> web.Application:
+def make_app(key_ttl_s: float = KEY_TTL_S_DEFAULT, *, webhook_url: str | None = None,
+             webhook_secret: str = WEBHOOK_SECRET_DEFAULT) -> web.Application:
     if key_ttl_s <= 0:
         raise ValueError(f"key_ttl_s must be positive, got {key_ttl_s}")
     app = web.Application(client_max_size=BODY_BYTES_MAX)
-    app[SIM] = Simulator(SimState(key_ttl_s=key_ttl_s))
+    sender = None if webhook_url is None else WebhookSender(webhook_url, webhook_secret)
+    app[SIM] = Simulator(SimState(key_ttl_s=key_ttl_s, webhooks=WebhookDeliveries(sender)),
+                         sender)
     app.router.add_post("/v1/charges", create_charge)
     app.router.add_get("/v1/charges/search", search_charges)  # before {charge_id}: first wins
     app.router.add_get("/v1/charges/{charge_id}", get_charge)
@@ -676,7 +887,11 @@ def make_app(key_ttl_s: float = KEY_TTL_S_DEFAULT) -> web.Application:
     app.router.add_get("/_sim/requests", requests_log)
     app.router.add_post("/_sim/reset", reset)
     app.router.add_post("/_sim/clock", advance_clock)
+    app.router.add_post("/_sim/webhooks", set_webhooks)
+    app.router.add_get("/_sim/webhooks", list_webhooks)
     app.on_shutdown.append(_cancel_executions)
+    app.on_shutdown.append(_cancel_webhooks)
+    app.on_cleanup.append(_close_webhook_sender)
     return app
 
 
@@ -687,12 +902,24 @@ async def _cancel_executions(app: web.Application) -> None:
     await asyncio.gather(*executions, return_exceptions=True)
 
 
-async def _start(host: str, port: int, key_ttl_s: float) -> tuple[str, web.AppRunner]:
+async def _cancel_webhooks(app: web.Application) -> None:
+    await asyncio.gather(*app[SIM].state.webhooks.cancel(), return_exceptions=True)
+
+
+async def _close_webhook_sender(app: web.Application) -> None:
+    sender = app[SIM].webhook_sender
+    if sender is not None:
+        await sender.close()
+
+
+async def _start(host: str, port: int, key_ttl_s: float, webhook_url: str | None = None,
+                 webhook_secret: str = WEBHOOK_SECRET_DEFAULT) -> tuple[str, web.AppRunner]:
     # Our own socket, so that with port 0 we can read back the port the kernel chose.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    runner = web.AppRunner(make_app(key_ttl_s), access_log=None,
+    runner = web.AppRunner(make_app(key_ttl_s, webhook_url=webhook_url,
+                                    webhook_secret=webhook_secret), access_log=None,
                            shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     await web.SockSite(runner, sock, backlog=BACKLOG).start()
@@ -700,14 +927,17 @@ async def _start(host: str, port: int, key_ttl_s: float) -> tuple[str, web.AppRu
 
 
 async def start_in_process(port: int = 0, key_ttl_s: float = KEY_TTL_S_DEFAULT, *,
-                           host: str = HOST) -> tuple[str, Callable[[], Awaitable[None]]]:
+                           host: str = HOST, webhook_url: str | None = None,
+                           webhook_secret: str = WEBHOOK_SECRET_DEFAULT,
+                           ) -> tuple[str, Callable[[], Awaitable[None]]]:
     """Serve the simulator on this event loop: (base URL, a coroutine function that stops it)."""
-    url, runner = await _start(host, port, key_ttl_s)
+    url, runner = await _start(host, port, key_ttl_s, webhook_url, webhook_secret)
     return url, runner.cleanup
 
 
-async def _serve(host: str, port: int, key_ttl_s: float) -> None:
-    url, runner = await _start(host, port, key_ttl_s)
+async def _serve(host: str, port: int, key_ttl_s: float, webhook_url: str | None,
+                 webhook_secret: str) -> None:
+    url, runner = await _start(host, port, key_ttl_s, webhook_url, webhook_secret)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -726,11 +956,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0, help="0: any free port")
     parser.add_argument("--key-ttl-s", type=float, default=KEY_TTL_S_DEFAULT,
                         help="how long an idempotency key is remembered after its first request")
-    parser.add_argument("--webhook-url", default=None, help="accepted; webhooks are not sent yet")
+    parser.add_argument("--webhook-url", default=None,
+                        help="POST a signed event here for every charge made (none: no webhooks)")
+    parser.add_argument("--webhook-secret", default=WEBHOOK_SECRET_DEFAULT,
+                        help="the endpoint secret webhooks are signed with")
     args = parser.parse_args(argv)
     if args.key_ttl_s <= 0:
         parser.error("--key-ttl-s must be positive")
-    asyncio.run(_serve(args.host, args.port, args.key_ttl_s))
+    if not args.webhook_secret:
+        parser.error("--webhook-secret must not be empty")
+    asyncio.run(_serve(args.host, args.port, args.key_ttl_s, args.webhook_url,
+                       args.webhook_secret))
     return 0
 
 

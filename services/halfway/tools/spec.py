@@ -8,8 +8,8 @@ The rules a tool author must know, in one place:
   retry with the same key inside that window cannot make a second effect; after it, no retry is
   ever sent, only lookups. `unkeyed`: no key, so at most one request is ever sent.
 - **key_ttl_s** is how long the provider remembers a key (Stripe: 24 h). The executor stops
-  retrying `key_ttl_margin_s` before it runs out, because a retry that arrives after the
-  provider forgot the key is a new request.
+  retrying `key_ttl_margin_s` before it runs out (default: a tenth of the lifetime, at most a
+  minute), because a retry that arrives after the provider forgot the key is a new request.
 - **timeout_s** is how long one attempt may take before its outcome is unknown.
 - **subject(args)** names the business object the call touches (`invoice:INV-2291`).
 - **lookup** (on the adapter) asks the provider whether the effect named by our key exists. A
@@ -99,7 +99,7 @@ class ToolSpec:
     timeout_s: float
     subject: Callable[[BaseModel], str | None] = lambda _args: None
     key_ttl_s: float | None = None  # required for keyed tools
-    key_ttl_margin_s: float = 60.0
+    key_ttl_margin_s: float | None = None
     has_lookup: bool = True
     read_attempts_max: int = 3
     attempts_max: int = 10  # every retry loop has a bound
@@ -110,7 +110,9 @@ class ToolSpec:
     def policy(self) -> StepPolicy:
         return StepPolicy(
             effect_class=self.effect_class, timeout_s=self.timeout_s, key_ttl_s=self.key_ttl_s,
-            key_ttl_margin_s=self.key_ttl_margin_s, has_lookup=self.has_lookup,
+            key_ttl_margin_s=(self.key_ttl_margin_s if self.key_ttl_margin_s is not None
+                              else min(60.0, (self.key_ttl_s or 0.0) / 10)),
+            has_lookup=self.has_lookup,
             attempts_max=self.attempts_max, read_attempts_max=self.read_attempts_max,
             completes_within_s=self.completes_within_s,
             **({"lookup_window_s": self.key_ttl_s} if self.key_ttl_s else {}),
