@@ -44,7 +44,6 @@ from halfway.journal import JournalWriter, ensure_topics
 from halfway.settings import KafkaSettings, gateway_host, gateway_port, paysim_webhook_secret
 from halfway.webhooks.signature import TOLERANCE_S_DEFAULT, SignatureError, verify
 
-HOST = "127.0.0.1"
 SIGNATURE_HEADER = "Stripe-Signature"
 BODY_BYTES_MAX = 1024 * 1024  # Stripe events are well under this; more is not a webhook
 MEMORY_ENTRIES_MAX = 100_000  # per memory; past it the oldest entry is forgotten
