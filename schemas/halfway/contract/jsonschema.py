@@ -4,7 +4,7 @@
     python -m halfway.contract.jsonschema --check  # exit 1 if the committed files are stale
 
 One file per event type (named by its `type`), one for the whole union, one for dead letters,
-one for the verified webhooks the gateway publishes.
+one for the verified webhooks the gateway publishes, one for the user-facing outcomes.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from halfway.contract.events import EVENT_ADAPTER, EVENT_TYPES, DeadLetter, event_type_name
+from halfway.contract.outcomes import OutcomeChanged
 from halfway.contract.webhooks import WebhookReceived
 
 JSON_DIR = Path(__file__).resolve().parents[2] / "json"
@@ -34,6 +35,7 @@ def render() -> dict[str, str]:
     models: list[tuple[str, type[BaseModel]]] = [(event_type_name(m), m) for m in EVENT_TYPES]
     models.append(("dead_letter", DeadLetter))
     models.append(("webhook.received", WebhookReceived))
+    models.append(("outcome.changed", OutcomeChanged))
     for name, model in models:
         file = f"{name}.schema.json"
         files[file] = _document(model.model_json_schema(mode="validation"), file)

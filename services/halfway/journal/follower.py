@@ -35,6 +35,12 @@ from halfway.journal.writer import JournalWriter
 from halfway.settings import KafkaSettings
 
 OnChange = Callable[[set[str]], Awaitable[None]]
+# Optional hooks for services that must see every step of the fold, not only which tasks
+# changed in a batch (the outcomes publisher): each applied event's before and after state...
+OnEvent = Callable[[TaskState | None, TaskState, int], None]
+# ...and partitions (numbers) newly assigned, before their replay starts, or revoked.
+OnAssign = Callable[[set[int]], Awaitable[None]]
+OnRevoke = Callable[[set[int]], None]
 # How long one fetch waits when the journal is quiet: also the latency of a timer the service
 # set (a due lookup) being acted on.
 IDLE_FETCH_MS = 100
@@ -64,13 +70,18 @@ class JournalFollower:
     tasks topic for the decider (requests), the webhooks topic for the reconciler."""
 
     def __init__(self, settings: KafkaSettings, *, group: str, writer: JournalWriter,
-                 on_change: OnChange, side: TopicSpec | None = None) -> None:
+                 on_change: OnChange, side: TopicSpec | None = None,
+                 on_event: OnEvent | None = None, on_assign: OnAssign | None = None,
+                 on_revoke: OnRevoke | None = None) -> None:
         assert side in (None, TASKS, WEBHOOKS), "side topics must be keyed by task id"
         topics: tuple[TopicSpec, ...] = (JOURNAL,) if side is None else (JOURNAL, side)
         self._journal = JOURNAL.name(settings.topic_prefix)
         self._consumer = EventConsumer(settings, topics=topics, group=group, writer=writer,
                                        listener=_Listener(self))
         self._on_change = on_change
+        self._on_event = on_event
+        self._on_assign = on_assign
+        self._on_revoke = on_revoke
         self._log = log.get("halfway.follower", group=group)
         self.states: dict[str, TaskState] = {}
         self.requests: dict[str, TaskRequested] = {}  # first request per task, tasks topic
@@ -134,8 +145,11 @@ class JournalFollower:
         if isinstance(event, TaskRequested) and tp.topic != self._journal:
             self.requests.setdefault(event.task_id, event)
         else:
-            state = self.states.get(event.task_id) or TaskState(task_id=event.task_id)
-            self.states[event.task_id] = apply(state, event)
+            before = self.states.get(event.task_id)
+            after = apply(before or TaskState(task_id=event.task_id), event)
+            self.states[event.task_id] = after
+            if self._on_event is not None and after is not before:
+                self._on_event(before, after, tp.partition)
         self._dirty.add(event.task_id)
 
     async def _refresh_positions(self) -> None:
@@ -190,12 +204,16 @@ class JournalFollower:
                     self._dirty.discard(task_id)
         if revoked:
             self._log.info("partitions revoked", partitions=sorted(tp.partition for tp in revoked))
+            if self._on_revoke is not None:
+                self._on_revoke({tp.partition for tp in revoked if tp.topic == self._journal})
 
     async def _adopt(self, assigned: list[TopicPartition]) -> None:
         kafka = self._consumer.kafka
         new = [tp for tp in assigned if tp not in self._partitions]
         if not new:
             return
+        if self._on_assign is not None:
+            await self._on_assign({tp.partition for tp in new if tp.topic == self._journal})
         ends = await kafka.end_offsets(new)
         for tp in new:
             self._partitions[tp] = _Partition(end_at_assign=ends[tp])
