@@ -1,0 +1,307 @@
+"""The projector: folds the journal into the PostgreSQL read model, at least once, idempotently.
+
+Theory of operation
+-------------------
+The projector is a member of the consumer group `{prefix}projector`, so several instances
+share the journal's partitions. Kafka's committed offsets are never used: the offsets that
+count are in PostgreSQL (`applied_offsets`), written in the same transaction as the rows.
+
+On assignment a partition is replayed from offset zero, because a row is a function of a
+task's whole fold and the fold lives only in memory. Rows are written only for tasks with an
+event at or after the partition's stored offset (`written_to`); the replay below it rebuilds
+the fold without writing. Records are applied in batches (at most about BATCH_EVENTS_MAX
+events) and every batch commits its tasks' rows and the partitions' new offsets together, so a
+kill -9 at any point leaves PostgreSQL at a batch boundary, and the next instance resumes there.
+Rewriting a row is harmless (a row is a pure function of the fold), so redelivery is too.
+
+Each batch states the offsets it expects to be stored; if another writer moved them (a zombie
+that lost the partition, a rebuild swapped in), the batch is refused whole, the partition is
+re-synced from what is stored, and every task changed since then is written again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from dataclasses import dataclass, field
+
+import asyncpg
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import IllegalStateError
+from aiokafka.structs import ConsumerRecord
+
+from halfway import log
+from halfway import settings as env
+from halfway.contract.topics import JOURNAL
+from halfway.core.fold import TaskState, apply
+from halfway.journal import ensure_topics
+from halfway.journal.records import InvalidRecord, decode
+from halfway.projector import store
+from halfway.settings import KafkaSettings
+
+FETCH_TIMEOUT_MS = 200  # how long one fetch waits when the journal is quiet
+FETCH_RECORDS_MAX = 500
+# Events per PostgreSQL transaction while catching up: big enough to amortise the commit,
+# small enough that a batch's tasks and its COPY stay cheap. A batch may exceed it by at most
+# one fetch (FETCH_RECORDS_MAX).
+BATCH_EVENTS_MAX = 2000
+# When idle, compare the stored offsets with ours this often, so a rebuild swapped in under a
+# quiet projector is noticed without waiting for the next event.
+VERIFY_INTERVAL_S = 2.0
+
+
+@dataclass
+class _Partition:
+    """One journal partition this instance owns: its fold and what PostgreSQL has of it."""
+
+    number: int
+    written_to: int | None = None  # the stored next_offset; None until read from PostgreSQL
+    position: int = 0  # every record below this offset is folded
+    states: dict[str, TaskState] = field(default_factory=dict)
+    changed_at: dict[str, int] = field(default_factory=dict)  # task -> offset of its last event
+    dirty: set[str] = field(default_factory=set)  # tasks with an event at >= written_to
+
+    def resync(self, stored: int) -> None:
+        """PostgreSQL holds `stored`: every task changed at or after it must be written."""
+        self.written_to = stored
+        self.dirty = {t for t, offset in self.changed_at.items() if offset >= stored}
+
+    @property
+    def unwritten(self) -> int:
+        """Offsets folded but not yet stored (0 while replaying below the stored offset)."""
+        if self.written_to is None:
+            return 0
+        return max(0, self.position - self.written_to)
+
+
+class _Listener(ConsumerRebalanceListener):
+    """No PostgreSQL here: the main loop may be in the middle of a batch on the connection.
+    Assigned partitions get their stored offsets from the main loop, before their first record.
+
+    aiokafka rebalances eagerly (everything is revoked, then everything assigned), so a
+    partition this instance keeps through a rebalance is revoked and assigned again at once.
+    Its fold is still exact up to its position (nobody consumes during a rebalance, and the
+    journal only grows), so it goes on from there instead of replaying from zero; only its
+    stored offset is read again, since another instance may have written meanwhile."""
+
+    def __init__(self, projector: Projector) -> None:
+        self.projector = projector
+        self._kept: dict[int, _Partition] = {}  # revoked, perhaps about to be assigned again
+
+    async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+        for tp in revoked:
+            part = self.projector._partitions.pop(tp.partition, None)
+            if part is not None:
+                self._kept[tp.partition] = part
+
+    async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        kafka = self.projector._kafka()
+        new, resumed = [], []
+        for tp in assigned:
+            if tp.partition in self.projector._partitions:
+                continue
+            part = self._kept.pop(tp.partition, None)
+            if part is None:
+                self.projector._partitions[tp.partition] = _Partition(tp.partition)
+                new.append(tp)
+            else:
+                part.written_to = None  # read again before the next record
+                self.projector._partitions[tp.partition] = part
+                kafka.seek(tp, part.position)
+                resumed.append(tp)
+        self._kept.clear()  # went to another instance: its fold is no use here
+        if new:
+            await kafka.seek_to_beginning(*new)  # replay: the fold is in memory only
+        self.projector._log.info("partitions assigned",
+                                 replayed=sorted(tp.partition for tp in new),
+                                 resumed=sorted(tp.partition for tp in resumed))
+
+
+class Projector:
+    def __init__(self, settings: KafkaSettings, dsn: str, schema: str = "halfway",
+                 group: str | None = None, *, batch_events_max: int = BATCH_EVENTS_MAX) -> None:
+        self.settings = settings
+        self.schema = store.checked(schema)
+        self.group = group or f"{settings.topic_prefix}projector"  # one group per deployment
+        self.topic = JOURNAL.name(settings.topic_prefix)
+        self.batch_events_max = batch_events_max
+        self._dsn = dsn
+        self._partitions: dict[int, _Partition] = {}
+        self._consumer: AIOKafkaConsumer | None = None
+        self._conn: asyncpg.Connection | None = None
+        self._verify_at = 0.0
+        self._log = log.get("halfway.projector", group=self.group, schema=self.schema)
+        self.batches = 0
+        self.invalid = 0  # records that are not events: skipped (the services dead-letter them)
+
+    @property
+    def partitions(self) -> frozenset[int]:
+        """The journal partitions this instance projects now (assigned, offsets read)."""
+        return frozenset(n for n, p in self._partitions.items() if p.written_to is not None)
+
+    def _kafka(self) -> AIOKafkaConsumer:
+        assert self._consumer is not None
+        return self._consumer
+
+    async def run(self) -> None:
+        """Project until cancelled."""
+        self._conn = await store.connect(self._dsn)
+        try:
+            await store.migrate(self._conn, self.schema)
+            self._consumer = AIOKafkaConsumer(
+                bootstrap_servers=self.settings.bootstrap, group_id=self.group,
+                enable_auto_commit=False,  # the offsets that count are in PostgreSQL
+                auto_offset_reset="earliest", isolation_level="read_committed")
+            await self._consumer.start()
+            try:
+                self._consumer.subscribe([self.topic], listener=_Listener(self))
+                self._log.info("projector starting", topic=self.topic)
+                while True:
+                    await self._round()
+            finally:
+                await self._consumer.stop()
+        finally:
+            await self._conn.close()
+
+    async def _round(self) -> None:
+        kafka = self._kafka()
+        batches = await kafka.getmany(timeout_ms=FETCH_TIMEOUT_MS, max_records=FETCH_RECORDS_MAX)
+        # The records belong to the assignment at this moment (aiokafka drops records of a
+        # partition whose assignment changed); note which tracker each was fetched for, since
+        # a rebalance may replace trackers while _adopt waits for PostgreSQL.
+        owners = {tp: self._partitions.get(tp.partition) for tp in batches}
+        await self._adopt()
+        fetched = 0
+        for tp, records in batches.items():
+            part = self._partitions.get(tp.partition)
+            if part is None or part is not owners[tp] or part.written_to is None:
+                continue  # revoked or re-assigned meanwhile: the new owner replays from zero
+            fetched += len(records)
+            self._fold(part, records)
+        await self._advance_positions()
+        backlog = sum(p.unwritten for p in self._partitions.values())
+        if backlog and (backlog >= self.batch_events_max or fetched < FETCH_RECORDS_MAX):
+            await self._flush()
+        elif not backlog and time.monotonic() >= self._verify_at:
+            await self._verify()
+
+    def _fold(self, part: _Partition, records: list[ConsumerRecord]) -> None:
+        assert part.written_to is not None
+        for record in records:
+            if record.offset < part.position:
+                continue  # already folded
+            part.position = record.offset + 1
+            try:
+                event = decode(record)
+            except InvalidRecord as exc:
+                self.invalid += 1
+                if record.offset >= part.written_to:
+                    self._log.warning("skipped an invalid record", partition=part.number,
+                                      offset=record.offset, reason=exc.reason)
+                continue
+            state = part.states.get(event.task_id) or TaskState(task_id=event.task_id)
+            part.states[event.task_id] = apply(state, event)
+            part.changed_at[event.task_id] = record.offset
+            if record.offset >= part.written_to:
+                part.dirty.add(event.task_id)
+
+    async def _adopt(self) -> None:
+        """Read the stored offsets of newly assigned partitions, before their first record."""
+        new = [p for p in self._partitions.values() if p.written_to is None]
+        if not new:
+            return
+        assert self._conn is not None
+        stored = await store.read_offsets(self._conn, self.schema, self.topic)
+        for part in new:
+            part.resync(stored.get(part.number, 0))
+        self._log.info("stored offsets read", offsets={p.number: p.written_to for p in new})
+
+    async def _advance_positions(self) -> None:
+        # The consumer's position, not the last record's offset + 1: control records (from
+        # transactional writers) take offsets too, and the end offset counts them.
+        kafka = self._kafka()
+        for number, part in list(self._partitions.items()):
+            if part.written_to is None:
+                continue
+            with contextlib.suppress(IllegalStateError):  # revoked meanwhile
+                position = await kafka.position(TopicPartition(self.topic, number))
+                if self._partitions.get(number) is part:
+                    part.position = max(part.position, position)
+
+    async def _flush(self) -> None:
+        assert self._conn is not None
+        parts = [p for p in self._partitions.values() if p.unwritten]
+        states = [p.states[t] for p in parts for t in p.dirty]
+        offsets = {(self.topic, p.number): p.position for p in parts}
+        expected = {(self.topic, p.number): p.written_to or 0 for p in parts}
+        try:
+            await store.apply_batch(self._conn, self.schema, states, offsets, expected=expected)
+        except store.OffsetConflict as exc:
+            self._resync(exc.stored)
+            return
+        for part in parts:
+            part.written_to = offsets[(self.topic, part.number)]
+            part.dirty.clear()
+        self.batches += 1
+
+    async def _verify(self) -> None:
+        assert self._conn is not None
+        self._verify_at = time.monotonic() + VERIFY_INTERVAL_S
+        stored = await store.read_offsets(self._conn, self.schema, self.topic)
+        moved = {(self.topic, p.number): stored.get(p.number, 0)
+                 for p in self._partitions.values()
+                 if p.written_to is not None and stored.get(p.number, 0) != p.written_to}
+        if moved:
+            self._resync(moved)
+
+    def _resync(self, stored: dict[tuple[str, int], int]) -> None:
+        self._log.warning("applied offsets moved by another writer: writing again from them",
+                          stored={p: o for (_, p), o in stored.items()})
+        for (_, number), offset in stored.items():
+            part = self._partitions.get(number)
+            if part is not None:
+                part.resync(offset)
+
+
+async def journal_end_offsets(settings: KafkaSettings) -> dict[int, int]:
+    """partition -> end offset of the journal now (read_committed, as the projector reads)."""
+    topic = JOURNAL.name(settings.topic_prefix)
+    # The consumer's own metadata covers only what it subscribed to: ask the cluster.
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap)
+    await admin.start()
+    try:
+        (described,) = await admin.describe_topics([topic])
+    finally:
+        await admin.close()
+    if described["error_code"] != 0 or not described["partitions"]:
+        raise LookupError(f"topic {topic} does not exist (error {described['error_code']})")
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap, group_id=None,
+                                enable_auto_commit=False, isolation_level="read_committed")
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p["partition"]) for p in described["partitions"]]
+        ends = await consumer.end_offsets(tps)
+        return {tp.partition: ends[tp] for tp in tps}
+    finally:
+        await consumer.stop()
+
+
+async def serve() -> None:
+    """The process entry point (`python -m halfway.projector`): project into the schema
+    HALFWAY_PG_SCHEMA until SIGTERM or SIGINT."""
+    log.configure()
+    settings = KafkaSettings.from_env()
+    await ensure_topics(settings, (JOURNAL,))
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    projector = Projector(settings, env.pg_dsn(), schema=env.pg_schema())
+    try:
+        await projector.run()
+    except asyncio.CancelledError:
+        log.get("halfway.projector").info("projector stopped", batches=projector.batches)

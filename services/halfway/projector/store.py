@@ -1,0 +1,180 @@
+"""The read model's storage in PostgreSQL (asyncpg): migrate, write a batch, read it back.
+
+A batch is written in one transaction: the rows of every task it changed, and the journal
+offsets it covers (`applied_offsets`). A crash before the commit leaves neither; after it,
+both. A task's rows are replaced whole (deleted, then copied in), because a row may disappear
+from a fold's view (a step's last check is replaced by a newer one) and because rewriting the
+same rows is what makes a redelivered batch harmless.
+
+Writers of one schema fence each other through `applied_offsets`: a batch says which offsets it
+expects to be stored (what its writer last read or wrote) and is refused, whole, with
+`OffsetConflict` when another writer (a zombie after a rebalance, a rebuild swapped in) has
+moved them. The writer then re-reads them and writes again from there.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from halfway.core.fold import TaskState
+from halfway.projector.rows import COLUMNS, PRIMARY_KEYS, TABLES, Row, rows_of
+
+SCHEMA_FILE = Path(__file__).with_name("schema.sql")
+# Lower-case identifiers only: a schema name is spliced into SQL text (DDL takes no bind
+# parameters), so it must never need quoting, and it must fit PostgreSQL's 63-byte limit.
+SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+SNAPSHOT_KEYS: dict[str, tuple[str, ...]] = {
+    **PRIMARY_KEYS, "applied_offsets": ("topic", "partition")}
+CONNECT_TIMEOUT_S = 10.0
+
+TopicPartition = tuple[str, int]
+
+
+class OffsetConflict(Exception):
+    """Another writer moved the offsets of this schema: the batch was not written."""
+
+    def __init__(self, stored: dict[TopicPartition, int]) -> None:
+        super().__init__(f"applied offsets moved under us: now {stored}")
+        self.stored = stored
+
+
+def checked(schema: str) -> str:
+    if SCHEMA_NAME.fullmatch(schema) is None:
+        raise ValueError(f"schema name {schema!r} must match {SCHEMA_NAME.pattern}")
+    return schema
+
+
+def _encode_jsonb(value: Any) -> bytes:
+    return b"\x01" + json.dumps(value, separators=(",", ":")).encode()  # jsonb binary v1
+
+
+def _decode_jsonb(data: bytes) -> Any:
+    return json.loads(data[1:])
+
+
+async def connect(dsn: str) -> asyncpg.Connection:
+    """A connection that reads and writes jsonb as Python values (binary, so COPY works)."""
+    conn = await asyncpg.connect(dsn, timeout=CONNECT_TIMEOUT_S)
+    await conn.set_type_codec("jsonb", encoder=_encode_jsonb, decoder=_decode_jsonb,
+                              schema="pg_catalog", format="binary")
+    return conn
+
+
+async def migrate(conn: asyncpg.Connection, schema: str) -> None:
+    """Create the schema and its tables if missing (schema.sql is idempotent)."""
+    script = SCHEMA_FILE.read_text()
+    async with conn.transaction():
+        # Two projectors starting at once would race on CREATE ... IF NOT EXISTS (it is not
+        # atomic against a concurrent create); serialise them per schema.
+        await conn.execute("select pg_advisory_xact_lock(hashtext($1))", f"migrate {schema}")
+        await conn.execute(script.replace("{schema}", checked(schema)))
+
+
+async def schema_exists(conn: asyncpg.Connection, schema: str) -> bool:
+    return bool(await conn.fetchval(
+        "select 1 from pg_namespace where nspname = $1", checked(schema)))
+
+
+async def drop_schema(conn: asyncpg.Connection, schema: str) -> None:
+    await conn.execute(f"drop schema if exists {checked(schema)} cascade")
+
+
+async def read_offsets(conn: asyncpg.Connection, schema: str, topic: str) -> dict[int, int]:
+    """partition -> the first offset not yet applied, for every partition with any applied."""
+    rows = await conn.fetch(f"select partition, next_offset from {checked(schema)}"
+                            ".applied_offsets where topic = $1", topic)
+    return {r["partition"]: r["next_offset"] for r in rows}
+
+
+async def apply_batch(conn: asyncpg.Connection, schema: str, states_changed: Iterable[TaskState],
+                      offsets: Mapping[TopicPartition, int], *,
+                      expected: Mapping[TopicPartition, int] | None = None) -> None:
+    """Write the rows of `states_changed` and set `offsets`, in one transaction.
+
+    `expected`: the offsets the caller believes are stored (0 where none is); if any differs,
+    nothing is written and OffsetConflict carries what is stored.
+    """
+    schema = checked(schema)
+    states = list(states_changed)
+    async with conn.transaction():
+        if expected is not None:
+            await _fence(conn, schema, expected)
+        if states:
+            await _replace_rows(conn, schema, states)
+        if offsets:
+            await conn.executemany(
+                f"insert into {schema}.applied_offsets (topic, partition, next_offset) "
+                "values ($1, $2, $3) on conflict (topic, partition) "
+                "do update set next_offset = excluded.next_offset",
+                [(topic, partition, offset) for (topic, partition), offset in offsets.items()])
+
+
+async def _fence(conn: asyncpg.Connection, schema: str,
+                 expected: Mapping[TopicPartition, int]) -> None:
+    # An advisory lock per (schema, topic, partition), taken in a fixed order, serialises the
+    # writers of a partition even before its applied_offsets row exists (FOR UPDATE cannot lock
+    # a row that is not there yet).
+    for topic, partition in sorted(expected):
+        await conn.execute("select pg_advisory_xact_lock(hashtext($1), $2)",
+                           f"{schema}.applied_offsets/{topic}", partition)
+    stored: dict[TopicPartition, int] = {}
+    for topic in {t for t, _ in expected}:
+        for partition, offset in (await read_offsets(conn, schema, topic)).items():
+            stored[(topic, partition)] = offset
+    moved = {tp: stored.get(tp, 0) for tp, offset in expected.items()
+             if stored.get(tp, 0) != offset}
+    if moved:
+        raise OffsetConflict(moved)
+
+
+async def _replace_rows(conn: asyncpg.Connection, schema: str, states: list[TaskState]) -> None:
+    by_table: dict[str, list[Row]] = {table: [] for table in TABLES}
+    for state in states:
+        for table, rows in rows_of(state).items():
+            by_table[table].extend(rows)
+    task_ids = [state.task_id for state in states]
+    # A fold never loses a step, so the steps of the new states cover every old row.
+    step_ids = [row["step_id"] for row in by_table["steps"]]
+    await conn.execute(f"delete from {schema}.tasks where task_id = any($1::text[])", task_ids)
+    for table in ("steps", "attempts", "checks", "compensations"):
+        await conn.execute(f"delete from {schema}.{table} where step_id = any($1::text[])",
+                           step_ids)
+    for table, rows in by_table.items():
+        if rows:
+            columns = COLUMNS[table]
+            await conn.copy_records_to_table(
+                table, schema_name=schema, columns=list(columns),
+                records=[tuple(row[c] for c in columns) for row in rows])
+
+
+async def snapshot(conn: asyncpg.Connection, schema: str) -> dict[str, list[Row]]:
+    """Every row of every table, sorted by primary key: for comparing two copies."""
+    schema = checked(schema)
+    out = {}
+    for table, key in SNAPSHOT_KEYS.items():
+        rows = [dict(r) for r in await conn.fetch(f"select * from {schema}.{table}")]
+        # Sorted here, not by ORDER BY: the database's collation need not be code-point order,
+        # and snapshots are compared with rows sorted in Python (rows.table_rows).
+        rows.sort(key=lambda row, key=key: tuple(row[c] for c in key))
+        out[table] = rows
+    return out
+
+
+async def swap(conn: asyncpg.Connection, *, live: str, rebuilt: str, old: str) -> None:
+    """Make `rebuilt` the live schema in one transaction; the former live one is dropped."""
+    live, rebuilt, old = checked(live), checked(rebuilt), checked(old)
+    async with conn.transaction():
+        if await schema_exists(conn, live):
+            # Waits for a running projector's batch to commit; its next batch then finds the
+            # rebuilt offsets, not its own, and writes again from those (OffsetConflict).
+            await conn.execute(f"lock table {live}.applied_offsets in access exclusive mode")
+            await conn.execute(f"drop schema if exists {old} cascade")
+            await conn.execute(f"alter schema {live} rename to {old}")
+        await conn.execute(f"alter schema {rebuilt} rename to {live}")
+        await conn.execute(f"drop schema if exists {old} cascade")
