@@ -127,3 +127,24 @@ def gateway_host() -> str:
 def paysim_webhook_secret() -> str:
     """The endpoint secret paysim signs its webhooks with (a dev default; set it anywhere real)."""
     return os.environ.get("HALFWAY_PAYSIM_WEBHOOK_SECRET") or DEFAULT_PAYSIM_WEBHOOK_SECRET
+
+
+DEFAULT_PG_SCHEMA = "halfway"
+
+
+def pg_schema() -> str:
+    """The schema of the live read model (a rebuild writes another one, then swaps them)."""
+    return os.environ.get("HALFWAY_PG_SCHEMA") or DEFAULT_PG_SCHEMA
+
+
+DEFAULT_API_PORT = 18100
+
+
+def api_port() -> int:
+    """Where the HTTP API and the web page listen (0: any free port)."""
+    return _port("HALFWAY_API_PORT", DEFAULT_API_PORT, any_free=True)
+
+
+def api_host() -> str:
+    """The address the HTTP API listens on (0.0.0.0 in a container)."""
+    return os.environ.get("HALFWAY_API_HOST") or HOST
