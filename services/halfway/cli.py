@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -46,12 +47,6 @@ def up(component: Annotated[Component, typer.Argument()] = Component.ALL) -> Non
 def down(component: Annotated[Component, typer.Argument()] = Component.ALL) -> None:
     """Stop the local Kafka broker and PostgreSQL."""
     _infra("down", component)
-
-
-@app.command()
-def status(component: Annotated[Component, typer.Argument()] = Component.ALL) -> None:
-    """Show whether the local Kafka broker and PostgreSQL run."""
-    _infra("status", component)
 
 
 @app.command()
@@ -96,21 +91,34 @@ class Runnable(StrEnum):
     DECIDER = "decider"
     EXECUTOR = "executor"
     RECONCILER = "reconciler"
+    OUTCOMES = "outcomes"
+    PROJECTOR = "projector"
     GATEWAY = "gateway"
+    API = "api"
 
 
 @app.command()
 def run(service: Annotated[Runnable, typer.Argument(help="which service")]) -> None:
-    """Run a service (decider, executor, reconciler, gateway) until SIGTERM."""
-    if service is Runnable.GATEWAY:
-        from halfway.gateway import serve_gateway
+    """Run a service until SIGTERM: decider, executor, reconciler, outcomes (the user-facing
+    topic), projector (the PostgreSQL read model), gateway (webhooks in), api (HTTP + web page)."""
+    log.configure()
+    match service:
+        case Runnable.GATEWAY:
+            from halfway.gateway import serve_gateway
 
-        log.configure()
-        asyncio.run(serve_gateway())
-        return
-    from halfway.serve import serve
+            asyncio.run(serve_gateway())
+        case Runnable.API:
+            from halfway.api import serve_api
 
-    asyncio.run(serve(Service(service.value)))
+            asyncio.run(serve_api())
+        case Runnable.PROJECTOR:
+            from halfway.projector.service import serve as serve_projector
+
+            asyncio.run(serve_projector())
+        case _:
+            from halfway.serve import serve
+
+            asyncio.run(serve(Service(service.value)))
 
 
 @app.command()
@@ -167,11 +175,75 @@ def resolve(
     typer.echo(f"{step}: {event.outcome} (source operator, by {by})")
 
 
+async def _read_model(fn: Any) -> Any:
+    import asyncpg
+
+    from halfway import settings
+
+    conn = await asyncpg.connect(settings.pg_dsn())
+    try:
+        return await fn(conn, settings.pg_schema())
+    except (asyncpg.UndefinedTableError, asyncpg.InvalidSchemaNameError):
+        typer.echo("the read model does not exist yet: is the projector running "
+                   "(halfway run projector), or rebuild it (halfway replay --rebuild)?", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        await conn.close()
+
+
+@app.command()
+def tasks(state: Annotated[str | None, typer.Option(help="only tasks in this state")] = None,
+          limit: Annotated[int, typer.Option(help="at most this many")] = 50,
+          as_json: Annotated[bool, typer.Option("--json", help="one JSON object")] = False,
+          ) -> None:
+    """List tasks from the read model, newest first, with their three-state standing."""
+    from halfway.api import queries
+    from halfway.api import status as tables
+
+    try:
+        rows = asyncio.run(_read_model(lambda c, s: queries.list_tasks(c, s, state, limit)))
+    except ValueError as exc:
+        typer.echo(f"{exc} (states: {', '.join(queries.TASK_STATES)})", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(tables.as_json(tables.tasks_json(rows)) if as_json
+               else tables.tasks_table(rows, now=datetime.now(UTC)))
+
+
+@app.command()
+def status(task: Annotated[str | None, typer.Argument(
+               help="the task id; without one: the local broker and PostgreSQL")] = None,
+           as_json: Annotated[bool, typer.Option("--json", help="one JSON object")] = False,
+           ) -> None:
+    """Every step of a task: done with evidence, not done with the reason, or unknown with the
+    reference and the next check; attempts; undo. Without a task: the local infrastructure."""
+    if task is None:
+        _infra("status", Component.ALL)
+        return
+    from halfway.api import queries
+    from halfway.api import status as tables
+
+    found = asyncio.run(_read_model(lambda c, s: queries.get_task(c, s, task)))
+    if found is None:
+        typer.echo(f"no task {task} in the read model", err=True)
+        raise typer.Exit(1)
+    typer.echo(tables.as_json(tables.task_json(found)) if as_json
+               else tables.status_table(found, now=datetime.now(UTC)))
+
+
 @app.command()
 def replay(task: Annotated[str | None, typer.Option(help="only this task")] = None,
            as_json: Annotated[bool, typer.Option("--json", help="one JSON object")] = False,
+           rebuild: Annotated[bool, typer.Option(
+               "--rebuild", help="drop the read model and rebuild it from the journal")] = False,
+           check: Annotated[bool, typer.Option(
+               "--check", help="with --rebuild: compare with the live copy, do not swap")
+           ] = False,
            ) -> None:
-    """Rebuild every task's state from the journal alone, and print it."""
+    """Rebuild every task's state from the journal alone and print it; or, with --rebuild,
+    rebuild the PostgreSQL read model (compared row for row with the live one)."""
+    if rebuild:
+        _rebuild_read_model(check_only=check)
+        return
     from halfway.journal import replay as replay_journal
     from halfway.render import step_line, task_summary
 
@@ -189,6 +261,27 @@ def replay(task: Annotated[str | None, typer.Option(help="only this task")] = No
             typer.echo(f"  {step.step_id}  {step_line(step)}")
     typer.echo(f"{result.events} events, {len(result.invalid)} invalid, {len(states)} tasks",
                err=not sys.stdout.isatty())
+
+
+def _rebuild_read_model(*, check_only: bool) -> None:
+    from rich.progress import Progress
+
+    from halfway import settings
+    from halfway.projector.rebuild import rebuild
+
+    log.configure(level="WARNING")
+    with Progress(transient=True) as bar:
+        job = bar.add_task("replaying the journal", total=None)
+
+        def progress(done: int, total: int) -> None:
+            bar.update(job, completed=done, total=total)
+
+        report = asyncio.run(rebuild(KafkaSettings.from_env(), settings.pg_dsn(),
+                                     progress=progress, check_only=check_only,
+                                     live=settings.pg_schema()))
+    typer.echo("\n".join(report.lines()))
+    if report.live_existed and not report.equal:
+        raise typer.Exit(1)
 
 
 if __name__ == "__main__":

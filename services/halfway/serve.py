@@ -21,6 +21,7 @@ class Service(StrEnum):
     DECIDER = "decider"
     EXECUTOR = "executor"
     RECONCILER = "reconciler"
+    OUTCOMES = "outcomes"
 
 
 async def run_service(name: Service, settings: KafkaSettings, registry: Registry,
@@ -29,6 +30,7 @@ async def run_service(name: Service, settings: KafkaSettings, registry: Registry
     from halfway import settings as env
     from halfway.decider.service import Decider
     from halfway.executor.service import Executor
+    from halfway.outcomes.service import OutcomesPublisher
     from halfway.reconciler.service import Reconciler
 
     async with JournalWriter(settings) as writer:
@@ -40,6 +42,8 @@ async def run_service(name: Service, settings: KafkaSettings, registry: Registry
             case Service.RECONCILER:
                 await Reconciler(settings, registry, writer,
                                  lookups=env.reconciler_lookups()).run()
+            case Service.OUTCOMES:
+                await OutcomesPublisher(settings, writer).run()
 
 
 async def serve(name: Service) -> None:

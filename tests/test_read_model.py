@@ -1,0 +1,43 @@
+"""After the renewal demo, the read model equals a fresh replay of the topics, row for row."""
+
+from __future__ import annotations
+
+import pytest
+
+from halfway import settings as env
+from halfway.api import queries
+from halfway.api.status import status_table
+from halfway.demo import renewal
+from halfway.projector.rebuild import rebuild
+from halfway.projector.service import journal_end_offsets
+from halfway.settings import KafkaSettings
+from tests.test_projector import (  # the projector's own fixtures and waits
+    pg,  # noqa: F401
+    projecting,
+    schema,  # noqa: F401
+    task_alive,
+    until_applied,
+)
+
+pytestmark = pytest.mark.broker
+
+
+async def test_after_the_renewal_demo_the_read_model_equals_a_fresh_replay(
+        topics: KafkaSettings, pg, schema: str) -> None:  # noqa: F811
+    async with projecting(topics, schema) as task:
+        ours, naive = await renewal.run(topics)
+        assert (ours.charges, naive.charges) == (1, 2)
+        await until_applied(pg, schema, topics, await journal_end_offsets(topics),
+                            task_alive(task))
+    report = await rebuild(topics, env.pg_dsn(), check_only=True, live=schema)
+    assert report.live_existed
+    assert report.equal, "\n".join(report.lines())
+
+    # What an operator sees of the renewal: done, with the charge id, never "failed".
+    task_id = ours.steps[0]["step_id"].rsplit(":", 1)[0]
+    found = await queries.get_task(pg, schema, task_id)
+    assert found is not None
+    table = status_table(found)
+    assert "done" in table
+    assert ours.steps[0]["evidence"]["charge_id"] in table
+    assert "failed" not in table
