@@ -751,3 +751,21 @@ async def test_the_page_shows_the_three_states_in_words_in_a_real_browser(
                     "document.querySelector('tr.task').dataset.task") == "t-attention"
         finally:
             await conn.close()
+
+
+@broker
+async def test_the_status_command_says_unknown_the_reference_and_the_next_check(
+        read_model: tuple[str, str]) -> None:
+    # The command an operator types, end to end: `halfway status TASK` on the read model.
+    _dsn, schema = read_model
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "halfway.cli", "status", UNKNOWN_TASK,
+        env={**os.environ, "HALFWAY_PG_SCHEMA": schema},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    text = out.decode()
+    assert "unknown" in text
+    assert f"{UNKNOWN_TASK}:1" in text
+    assert at(NEXT_CHECK) in text
+    assert "failed" not in text.lower()
