@@ -25,7 +25,6 @@ from types import TracebackType
 from typing import Self
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
 from pydantic import JsonValue, ValidationError
 
 from halfway import log
@@ -34,6 +33,7 @@ from halfway.contract.outcomes import OutcomeChanged, parse_outcome
 from halfway.contract.topics import JOURNAL, OUTCOMES, TASKS
 from halfway.core.fold import TaskState, TaskStatus, apply
 from halfway.journal import JournalWriter
+from halfway.journal.admin import topic_partitions
 from halfway.journal.records import InvalidRecord, decode, stamp
 from halfway.journal.replay import partition_of
 from halfway.journal.replay import task_state as replay_task_state
@@ -202,13 +202,4 @@ async def _follow_until_over(settings: KafkaSettings, task_id: str) -> TaskState
 
 
 async def _partition_count(settings: KafkaSettings, topic: str) -> int:
-    # The producer spreads keys over the topic's real partition count: ask the cluster.
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap)
-    await admin.start()
-    try:
-        (described,) = await admin.describe_topics([topic])
-    finally:
-        await admin.close()
-    if described["error_code"] != 0 or not described["partitions"]:
-        raise LookupError(f"topic {topic} does not exist (error {described['error_code']})")
-    return len(described["partitions"])
+    return len(await topic_partitions(settings.bootstrap, topic))

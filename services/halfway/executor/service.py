@@ -40,6 +40,7 @@ from halfway.core.next_action import (
 from halfway.journal import JournalWriter
 from halfway.journal.follower import JournalFollower
 from halfway.journal.records import stamp
+from halfway.journal.steps import StepWorker
 from halfway.settings import KafkaSettings
 from halfway.tools.registry import Registry, Tool
 from halfway.tools.spec import CallContext, Succeeded
@@ -49,29 +50,17 @@ CALLS_IN_FLIGHT_MAX = 1000
 TIMEOUT_GRACE_S = 2.0
 
 
-class Executor:
+class Executor(StepWorker):
     def __init__(self, settings: KafkaSettings, registry: Registry, writer: JournalWriter, *,
                  group: str | None = None) -> None:
+        super().__init__()
         self.registry = registry
         self.writer = writer
         group = group or f"{settings.topic_prefix}executor"  # one group per deployment
         self.follower = JournalFollower(settings, group=group, writer=writer,
                                         on_change=self._on_change)
-        self._moves: dict[str, asyncio.Task[None]] = {}  # step id -> the move in flight
-        self._timers: dict[str, asyncio.TimerHandle] = {}
         self._slots = asyncio.Semaphore(CALLS_IN_FLIGHT_MAX)
         self._log = log.get("halfway.executor")
-
-    async def run(self) -> None:
-        await self.follower.start()
-        try:
-            await self.follower.run()
-        finally:
-            for timer in self._timers.values():
-                timer.cancel()
-            for move in self._moves.values():
-                move.cancel()
-            await self.follower.stop()
 
     async def _on_change(self, task_ids: set[str]) -> None:
         now = datetime.now(UTC)
@@ -80,7 +69,7 @@ class Executor:
             if state is None:
                 continue
             for step in state.steps.values():
-                if step.step_id not in self._moves:
+                if not self.busy(step):
                     self._consider(step, now)
 
     def _consider(self, step: StepState, now: datetime) -> None:
@@ -94,17 +83,9 @@ class Executor:
             case Nothing() | Lookup() | Escalate():
                 return  # settled, or the reconciler's move: it looks up and escalates
             case Wait(until=until):
-                self._wake_at(step, until, now)
+                self.wake_at(step, until, now)
             case _:
-                self._moves[step.step_id] = asyncio.create_task(self._move(step, tool, action))
-
-    def _wake_at(self, step: StepState, until: datetime, now: datetime) -> None:
-        if (old := self._timers.pop(step.step_id, None)) is not None:
-            old.cancel()
-        delay_s = max(0.0, (until - now).total_seconds())
-        task_id = step.intent.task_id
-        self._timers[step.step_id] = asyncio.get_running_loop().call_later(
-            delay_s, self.follower.touch, task_id)
+                self.start_move(step, self._move(step, tool, action))
 
     async def _move(self, step: StepState, tool: Tool, action: Action) -> None:
         with log.bound(task_id=step.intent.task_id, step_id=step.step_id):
@@ -115,9 +96,6 @@ class Executor:
                 # The journal is unchanged by a move that failed before its write; the step
                 # is considered again at the next change and the move is retried.
                 self._log.exception("move failed", action=type(action).__name__)
-            finally:
-                del self._moves[step.step_id]
-                self.follower.touch(step.intent.task_id)
 
     async def _perform(self, step: StepState, tool: Tool, action: Action) -> None:
         intent, task_id = step.intent, step.intent.task_id

@@ -56,3 +56,17 @@ async def delete_topics(settings: KafkaSettings, specs: tuple[TopicSpec, ...] = 
         await admin.delete_topics([n for n in names if n in existing], timeout_ms=CREATE_TIMEOUT_MS)
     finally:
         await admin.close()
+
+
+async def topic_partitions(bootstrap: str, topic: str) -> set[int]:
+    """The partition numbers a topic has now. A consumer's own metadata covers only what it
+    subscribed to, and the producer spreads keys over the real count: ask the cluster."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        (described,) = await admin.describe_topics([topic])
+    finally:
+        await admin.close()
+    if described["error_code"] != 0 or not described["partitions"]:
+        raise LookupError(f"topic {topic} does not exist (error {described['error_code']})")
+    return {p["partition"] for p in described["partitions"]}

@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.partitioner import murmur2
 
 from halfway.contract.topics import JOURNAL, TopicSpec
 from halfway.core.fold import TaskState, apply
+from halfway.journal.admin import topic_partitions
 from halfway.journal.records import Delivery, InvalidRecord, decode
 from halfway.settings import KafkaSettings
 
@@ -39,7 +39,7 @@ async def read_topic(settings: KafkaSettings, spec: TopicSpec = JOURNAL,
     With `only_key`, only the partition that key maps to is read.
     """
     topic = spec.name(settings.topic_prefix)
-    partitions = await _partitions(settings.bootstrap, topic)
+    partitions = await topic_partitions(settings.bootstrap, topic)
     if only_key is not None:
         partitions = {partition_of(only_key, len(partitions))}
     consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap, group_id=None,
@@ -97,16 +97,3 @@ async def replay(settings: KafkaSettings, spec: TopicSpec = JOURNAL) -> ReplayRe
         result.states[event.task_id] = apply(state, event)
         result.events += 1
     return result
-
-
-async def _partitions(bootstrap: str, topic: str) -> set[int]:
-    # The consumer's own metadata only covers subscribed topics; ask the cluster.
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        (described,) = await admin.describe_topics([topic])
-    finally:
-        await admin.close()
-    if described["error_code"] != 0 or not described["partitions"]:
-        raise LookupError(f"topic {topic} does not exist (error {described['error_code']})")
-    return {p["partition"] for p in described["partitions"]}

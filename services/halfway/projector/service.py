@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 
 import asyncpg
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import IllegalStateError
 from aiokafka.structs import ConsumerRecord
 
@@ -38,6 +37,7 @@ from halfway import settings as env
 from halfway.contract.topics import JOURNAL
 from halfway.core.fold import TaskState, apply
 from halfway.journal import ensure_topics
+from halfway.journal.admin import topic_partitions
 from halfway.journal.records import InvalidRecord, decode
 from halfway.projector import store
 from halfway.settings import KafkaSettings
@@ -269,20 +269,12 @@ class Projector:
 async def journal_end_offsets(settings: KafkaSettings) -> dict[int, int]:
     """partition -> end offset of the journal now (read_committed, as the projector reads)."""
     topic = JOURNAL.name(settings.topic_prefix)
-    # The consumer's own metadata covers only what it subscribed to: ask the cluster.
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap)
-    await admin.start()
-    try:
-        (described,) = await admin.describe_topics([topic])
-    finally:
-        await admin.close()
-    if described["error_code"] != 0 or not described["partitions"]:
-        raise LookupError(f"topic {topic} does not exist (error {described['error_code']})")
+    partitions = await topic_partitions(settings.bootstrap, topic)
     consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap, group_id=None,
                                 enable_auto_commit=False, isolation_level="read_committed")
     await consumer.start()
     try:
-        tps = [TopicPartition(topic, p["partition"]) for p in described["partitions"]]
+        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
         ends = await consumer.end_offsets(tps)
         return {tp.partition: ends[tp] for tp in tps}
     finally:

@@ -39,6 +39,7 @@ from halfway.core.reconcile import webhook_verdict
 from halfway.journal import JournalWriter
 from halfway.journal.follower import JournalFollower
 from halfway.journal.records import stamp
+from halfway.journal.steps import StepWorker
 from halfway.settings import KafkaSettings
 from halfway.tools.registry import Registry, Tool
 from halfway.tools.spec import CallContext, Found
@@ -46,30 +47,18 @@ from halfway.tools.spec import CallContext, Found
 LOOKUPS_IN_FLIGHT_MAX = 200
 
 
-class Reconciler:
+class Reconciler(StepWorker):
     def __init__(self, settings: KafkaSettings, registry: Registry, writer: JournalWriter, *,
                  lookups: bool = True, group: str | None = None) -> None:
+        super().__init__()
         self.registry = registry
         self.writer = writer
         self.lookups = lookups  # off: only webhooks (and operators) settle unknown steps
         group = group or f"{settings.topic_prefix}reconciler"  # one group per deployment
         self.follower = JournalFollower(settings, group=group, writer=writer,
                                         on_change=self._on_change, side=WEBHOOKS)
-        self._moves: dict[str, asyncio.Task[None]] = {}
-        self._timers: dict[str, asyncio.TimerHandle] = {}
         self._slots = asyncio.Semaphore(LOOKUPS_IN_FLIGHT_MAX)
         self._log = log.get("halfway.reconciler")
-
-    async def run(self) -> None:
-        await self.follower.start()
-        try:
-            await self.follower.run()
-        finally:
-            for timer in self._timers.values():
-                timer.cancel()
-            for move in self._moves.values():
-                move.cancel()
-            await self.follower.stop()
 
     async def _on_change(self, task_ids: set[str]) -> None:
         now = datetime.now(UTC)
@@ -78,7 +67,7 @@ class Reconciler:
             if state is None:
                 continue  # webhooks for a task not in the journal yet: kept, matched later
             for step in state.steps.values():
-                if step.step_id in self._moves:
+                if self.busy(step):
                     continue
                 with log.bound(task_id=task_id, step_id=step.step_id):
                     if not await self._match_webhooks(step):
@@ -106,20 +95,13 @@ class Reconciler:
         action = next_action(step.effect, tool.spec.policy(), now)
         match action:
             case Lookup() if self.lookups:
-                self._moves[step.step_id] = asyncio.create_task(self._lookup(step, tool))
+                self.start_move(step, self._lookup(step, tool))
             case Escalate(reason=reason):
-                self._moves[step.step_id] = asyncio.create_task(self._escalate(step, reason))
+                self.start_move(step, self._escalate(step, reason))
             case Wait(until=until):
-                self._wake_at(step, until, now)
+                self.wake_at(step, until, now)
             case _:
                 pass  # settled, or the executor's move (a call), or lookups are off
-
-    def _wake_at(self, step: StepState, until: datetime, now: datetime) -> None:
-        if (old := self._timers.pop(step.step_id, None)) is not None:
-            old.cancel()
-        delay_s = max(0.0, (until - now).total_seconds())
-        self._timers[step.step_id] = asyncio.get_running_loop().call_later(
-            delay_s, self.follower.touch, step.intent.task_id)
 
     async def _lookup(self, step: StepState, tool: Tool) -> None:
         intent, spec = step.intent, tool.spec
@@ -133,9 +115,6 @@ class Reconciler:
                     await self._record_lookup(step, tool, found)
             except Exception:
                 self._log.exception("lookup failed; it is tried again at the next change")
-            finally:
-                del self._moves[step.step_id]
-                self.follower.touch(intent.task_id)
 
     async def _record_lookup(self, step: StepState, tool: Tool, found: object) -> None:
         task_id, settled = step.intent.task_id, {"step_id": step.step_id}
@@ -165,13 +144,9 @@ class Reconciler:
         self._log.info("checked: nothing yet", next_check_at=after)
 
     async def _escalate(self, step: StepState, reason: str) -> None:
-        try:
-            await self._write(StepChecked(**stamp(step.intent.task_id), step_id=step.step_id,
-                                          found=reason, next_check_at=None))
-            self._log.warning("needs an operator", reason=reason)
-        finally:
-            del self._moves[step.step_id]
-            self.follower.touch(step.intent.task_id)
+        await self._write(StepChecked(**stamp(step.intent.task_id), step_id=step.step_id,
+                                      found=reason, next_check_at=None))
+        self._log.warning("needs an operator", reason=reason)
 
     async def _write(self, event: Event) -> None:
         meta = await self.writer.append(event)
