@@ -24,11 +24,16 @@ from typing import Any
 
 import httpx
 
+from halfway import settings as env
+from halfway.api import queries
+from halfway.api.status import status_table
 from halfway.contract import Outcome, TaskRequested
 from halfway.contract.topics import JOURNAL, TASKS
 from halfway.core.fold import StepStatus, TaskState, apply
 from halfway.journal import EventConsumer, JournalWriter, ensure_topics
 from halfway.models import ScriptedModel
+from halfway.projector import store
+from halfway.projector.service import Projector, journal_end_offsets
 from halfway.render import step_line
 from halfway.serve import Service, run_service
 from halfway.settings import KafkaSettings
@@ -38,6 +43,7 @@ from halfway.tools.registry import Registry, Tool
 PROVIDER_DELAY_S = 6.2
 CLIENT_TIMEOUT_S = 5.0
 TASK_TIMEOUT_S = 120.0
+READ_MODEL_TIMEOUT_S = 60.0
 SIM_START_TIMEOUT_S = 30.0
 
 
@@ -48,6 +54,8 @@ class Harness:
     lines: list[str] = field(default_factory=list)
     steps: list[dict[str, Any]] = field(default_factory=list)
     final: str = ""
+    status_table: str = ""  # what `halfway status` shows, from the PostgreSQL read model
+    read_model_state: str = ""
 
 
 def renewal_request(task_id: str) -> TaskRequested:
@@ -105,6 +113,9 @@ async def run_halfway(settings: KafkaSettings, url: str, out: Harness) -> None:
                               PaymentsAdapter(url))])
     services = [asyncio.create_task(run_service(s, settings, registry, ScriptedModel()))
                 for s in (Service.DECIDER, Service.EXECUTOR, Service.RECONCILER)]
+    # The read model too, so the demo ends with what an operator sees in `halfway status`.
+    projector = Projector(settings, env.pg_dsn(), schema=env.pg_schema())
+    services.append(asyncio.create_task(projector.run()))
     task_id = f"renewal-{uuid.uuid4().hex[:6]}"
     started = time.monotonic()
     try:
@@ -112,6 +123,9 @@ async def run_halfway(settings: KafkaSettings, url: str, out: Harness) -> None:
             await writer.append(renewal_request(task_id), TASKS)
             out.lines.append(f"{0:5.1f} s  task.requested {task_id}")
             state = await _follow(settings, writer, task_id, started, out)
+        found = await _read_model_task(settings, task_id)
+        out.read_model_state = found["state"]
+        out.status_table = status_table(found, now=datetime.now(UTC))
     finally:
         for service in services:
             service.cancel()
@@ -127,6 +141,27 @@ async def run_halfway(settings: KafkaSettings, url: str, out: Harness) -> None:
                           "evidence": settlement.evidence if settlement else None,
                           "attempts": len(step.effect.attempts)})
     out.charges = len([c for c in await ledger(url) if c.get("customer") == "cus_8812"])
+
+
+async def _read_model_task(settings: KafkaSettings, task_id: str) -> dict[str, Any]:
+    """The task as the read model has it, once the projector has caught up with the journal."""
+    ends = await journal_end_offsets(settings)
+    conn = await store.connect(env.pg_dsn())
+    try:
+        async with asyncio.timeout(READ_MODEL_TIMEOUT_S):
+            while True:
+                applied = (await store.read_offsets(conn, env.pg_schema(),
+                                                    JOURNAL.name(settings.topic_prefix))
+                           if await store.schema_exists(conn, env.pg_schema()) else {})
+                if all(applied.get(p, 0) >= end for p, end in ends.items() if end):
+                    break
+                await asyncio.sleep(0.1)
+        found = await queries.get_task(conn, env.pg_schema(), task_id)
+    finally:
+        await conn.close()
+    if found is None:
+        raise RuntimeError(f"the read model has no task {task_id}")
+    return found
 
 
 async def _follow(settings: KafkaSettings, writer: JournalWriter, task_id: str,
@@ -192,7 +227,7 @@ async def run(settings: KafkaSettings) -> tuple[Harness, Harness]:
 def as_json(ours: Harness, naive: Harness) -> dict[str, Any]:
     return {"ledger": {"halfway": ours.charges, "naive": naive.charges},
             "final": {"halfway": ours.final, "naive": naive.final},
-            "steps": ours.steps}
+            "steps": ours.steps, "read_model": {"state": ours.read_model_state}}
 
 
 def as_text(ours: Harness, naive: Harness) -> str:
@@ -209,6 +244,7 @@ def as_text(ours: Harness, naive: Harness) -> str:
     for step in ours.steps:
         out.append(f"{step['step_id']}: " + " -> ".join(step["states"])
                    + f"  evidence {step['evidence']}")
+    out += ["", "halfway status (from the PostgreSQL read model):", ours.status_table]
     return "\n".join(out)
 
 
