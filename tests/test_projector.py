@@ -511,3 +511,24 @@ async def test_two_projectors_share_the_journal_and_one_leaves(
                             task_alive(first))
         assert one.partitions == frozenset(range(JOURNAL.partitions))
     await assert_equals_replay(pg, schema, journal)
+
+
+async def test_a_read_model_of_another_kafka_cluster_is_dropped_and_rebuilt(
+        topics: KafkaSettings, pg: asyncpg.Connection, schema: str, writer: JournalWriter,
+) -> None:
+    # A new local broker (or a restored backup) under an old read model: the stored offsets
+    # belong to another journal and would skip this one's first events.
+    s = Stamper(f"source-{uuid.uuid4().hex[:6]}")
+    await store.migrate(pg, schema)
+    assert await store.claim_source(pg, schema, "another-cluster", "halfway.journal")
+    await pg.execute(f"insert into {schema}.applied_offsets values ($1, 0, 1000000)",
+                     JOURNAL.name(topics.topic_prefix))
+    for event in (s.started(), s.intended(1)):
+        await writer.append(event)
+    async with projecting(topics, schema) as task:
+        await until_applied(pg, schema, topics, await journal_end_offsets(topics),
+                            task_alive(task))
+        found = await pg.fetchval(f"select count(*) from {schema}.steps where task_id = $1",
+                                  s.task_id)
+    assert found == 1
+    assert not await store.claim_source(pg, schema, "another-cluster", "halfway.journal")

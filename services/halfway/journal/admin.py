@@ -70,3 +70,13 @@ async def topic_partitions(bootstrap: str, topic: str) -> set[int]:
     if described["error_code"] != 0 or not described["partitions"]:
         raise LookupError(f"topic {topic} does not exist (error {described['error_code']})")
     return {p["partition"] for p in described["partitions"]}
+
+
+async def cluster_id(bootstrap: str) -> str:
+    """The Kafka cluster's id: offsets are only comparable within one cluster."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        return str((await admin.describe_cluster())["cluster_id"])
+    finally:
+        await admin.close()

@@ -20,6 +20,7 @@ from typing import Any
 from halfway.contract.topics import JOURNAL
 from halfway.core.fold import TaskState, apply
 from halfway.journal import read_topic
+from halfway.journal.admin import cluster_id
 from halfway.projector import store
 from halfway.projector.rows import Row
 from halfway.projector.service import journal_end_offsets
@@ -91,6 +92,8 @@ async def rebuild(settings: KafkaSettings, dsn: str, *, progress: Progress | Non
     try:
         await store.drop_schema(conn, rebuilt)  # a fresh copy: nothing of an earlier try
         await store.migrate(conn, rebuilt)
+        await store.claim_source(conn, rebuilt, await cluster_id(settings.bootstrap),
+                                 JOURNAL.name(settings.topic_prefix))
         started = time.monotonic()
         states, ends, events, invalid = await _fold_journal(settings, progress)
         topic = JOURNAL.name(settings.topic_prefix)

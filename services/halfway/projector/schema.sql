@@ -89,3 +89,12 @@ CREATE TABLE IF NOT EXISTS {schema}.applied_offsets (
     next_offset      bigint NOT NULL,        -- the first offset not yet applied
     PRIMARY KEY (topic, partition)
 );
+
+-- Which journal these rows come from. Offsets mean nothing in another Kafka cluster's journal
+-- (a new local broker, a restored backup): a projector that finds another cluster here drops
+-- the read model and rebuilds it, instead of skipping the new journal's first events.
+CREATE TABLE IF NOT EXISTS {schema}.journal_source (
+    only_row         boolean PRIMARY KEY DEFAULT true CHECK (only_row),
+    kafka_cluster_id text NOT NULL,
+    topic            text NOT NULL
+);

@@ -37,7 +37,7 @@ from halfway import settings as env
 from halfway.contract.topics import JOURNAL
 from halfway.core.fold import TaskState, apply
 from halfway.journal import ensure_topics
-from halfway.journal.admin import topic_partitions
+from halfway.journal.admin import cluster_id, topic_partitions
 from halfway.journal.records import InvalidRecord, decode
 from halfway.projector import store
 from halfway.settings import KafkaSettings
@@ -151,6 +151,15 @@ class Projector:
         self._conn = await store.connect(self._dsn)
         try:
             await store.migrate(self._conn, self.schema)
+            source = await cluster_id(self.settings.bootstrap)
+            if not await store.claim_source(self._conn, self.schema, source, self.topic):
+                # Built from another journal: its offsets would skip this one's events.
+                self._log.warning("the read model was built from another Kafka cluster's "
+                                  "journal; dropping it and rebuilding from this one",
+                                  schema=self.schema, cluster_id=source)
+                await store.drop_schema(self._conn, self.schema)
+                await store.migrate(self._conn, self.schema)
+                await store.claim_source(self._conn, self.schema, source, self.topic)
             self._consumer = AIOKafkaConsumer(
                 bootstrap_servers=self.settings.bootstrap, group_id=self.group,
                 enable_auto_commit=False,  # the offsets that count are in PostgreSQL

@@ -76,6 +76,23 @@ async def migrate(conn: asyncpg.Connection, schema: str) -> None:
         await conn.execute(script.replace("{schema}", checked(schema)))
 
 
+async def claim_source(conn: asyncpg.Connection, schema: str, cluster_id: str,
+                       topic: str) -> bool:
+    """Record which journal the schema's rows come from; False if it holds another's."""
+    async with conn.transaction():
+        await conn.execute("select pg_advisory_xact_lock(hashtext($1))", f"migrate {schema}")
+        row = await conn.fetchrow(
+            f"select kafka_cluster_id, topic from {checked(schema)}.journal_source")
+        if row is None:
+            if await conn.fetchval(f"select count(*) from {checked(schema)}.applied_offsets"):
+                return False  # rows of a journal nobody recorded: their offsets mean nothing
+            await conn.execute(
+                f"insert into {checked(schema)}.journal_source (kafka_cluster_id, topic) "
+                "values ($1, $2)", cluster_id, topic)
+            return True
+        return (row["kafka_cluster_id"], row["topic"]) == (cluster_id, topic)
+
+
 async def schema_exists(conn: asyncpg.Connection, schema: str) -> bool:
     return bool(await conn.fetchval(
         "select 1 from pg_namespace where nspname = $1", checked(schema)))
