@@ -10,6 +10,7 @@ from typing import Any
 
 from halfway.contract import (
     CompensationAttempted,
+    CompensationChecked,
     CompensationIntended,
     CompensationPlan,
     CompensationSettled,
@@ -25,6 +26,7 @@ from halfway.contract import (
     StepIntended,
     StepRefused,
     StepSettled,
+    TaskAborted,
     TaskFinished,
     TaskPolicy,
     TaskRejected,
@@ -56,13 +58,14 @@ class Stamper:
                              allowed_tools=["charge_customer"], **kw)
 
     def started(self, **kw: Any) -> TaskStarted:
-        return TaskStarted(**self.stamp(), input={"invoice": "INV-2291"},
-                           allowed_tools=["charge_customer"], **kw)
+        fields = {"input": {"invoice": "INV-2291"}, "allowed_tools": ["charge_customer"]} | kw
+        return TaskStarted(**self.stamp(), **fields)
 
     def rejected(self, reason: str = "unknown tool") -> TaskRejected:
         return TaskRejected(**self.stamp(), reason=reason)
 
     def intended(self, n: int, *, args: dict[str, Any] | None = None, **kw: Any) -> StepIntended:
+        # Also takes accept_call's fields as they are (tool, args, subject, ...).
         sid = step_id(self.task_id, n)
         fields: dict[str, Any] = {
             "tool": "charge_customer",
@@ -95,10 +98,12 @@ class Stamper:
         return StepChecked(**stamp, step_id=step_id(self.task_id, n),
                            next_check_at=None if next_in is None else stamp["at"] + next_in)
 
-    def undo_intended(self, n: int) -> CompensationIntended:
+    def undo_intended(self, n: int, tool: str = "refund_charge",
+                      args: dict[str, Any] | None = None) -> CompensationIntended:
         sid = step_id(self.task_id, n)
-        return CompensationIntended(**self.stamp(), step_id=sid, tool="refund_charge",
-                                    args={"charge": "ch_1"}, key=mint_undo_key(sid))
+        return CompensationIntended(**self.stamp(), step_id=sid, tool=tool,
+                                    args={"charge": "ch_1"} if args is None else args,
+                                    key=mint_undo_key(sid))
 
     def undo_attempted(self, n: int, attempt: int) -> CompensationAttempted:
         sid = step_id(self.task_id, n)
@@ -109,6 +114,16 @@ class Stamper:
                      source: SettlementSource = SettlementSource.CALL) -> CompensationSettled:
         return CompensationSettled(**self.stamp(), step_id=step_id(self.task_id, n),
                                    **_settlement(outcome, attempt, source, None, None))
+
+    def undo_checked(self, n: int, next_in: timedelta | None = timedelta(seconds=2)
+                     ) -> CompensationChecked:
+        stamp = self.stamp()
+        return CompensationChecked(**stamp, step_id=step_id(self.task_id, n),
+                                   next_check_at=None if next_in is None else stamp["at"] + next_in)
+
+    def aborted(self, reason: str = "the customer cancelled the trip",
+                by: str = "operator") -> TaskAborted:
+        return TaskAborted(**self.stamp(), reason=reason, by=by)
 
     def finished(self, state: FinalState = FinalState.SUCCEEDED) -> TaskFinished:
         return TaskFinished(**self.stamp(), state=state, summary=f"task {state}")
@@ -140,7 +155,10 @@ def one_of_each(task_id: str = "renewal-8812") -> list[Event]:
         s.checked(1),
         s.settled(1, Outcome.DONE, source=SettlementSource.LOOKUP),
         s.undo_intended(1),
+        s.aborted(),
         s.undo_attempted(1, 1),
-        s.undo_settled(1, Outcome.DONE, attempt=1),
+        s.undo_settled(1, Outcome.UNKNOWN, attempt=1),
+        s.undo_checked(1),
+        s.undo_settled(1, Outcome.DONE, source=SettlementSource.LOOKUP),
         s.finished(FinalState.COMPENSATED),
     ]

@@ -115,7 +115,9 @@ class TaskPolicy(_Part):
 
 
 class CompensationPlan(_Part):
-    """How to undo a step, declared before the step runs. Args may refer to the step's result."""
+    """How to undo a step, declared before the step runs. A string argument `"$args.NAME"` or
+    `"$result.NAME"` is replaced, when the undo is intended, by that field of the step's
+    frozen arguments or of the evidence its `done` settlement carries."""
 
     tool: str = Field(min_length=1)
     args: JsonObject = Field(default_factory=dict)
@@ -289,6 +291,14 @@ class CompensationIntended(_StepEvent):
         return self
 
 
+class CompensationChecked(_StepEvent):
+    """A lookup of an undo that found nothing yet (like `step.checked`, for the compensation)."""
+
+    type: Literal["compensation.checked"] = "compensation.checked"
+    found: str = Field("nothing", description="What the check found, in words.")
+    next_check_at: AwareDatetime | None = Field(None, description="None: no further check planned.")
+
+
 class CompensationAttempted(_StepEvent):
     type: Literal["compensation.attempted"] = "compensation.attempted"
     attempt: int = Field(ge=1)
@@ -304,6 +314,15 @@ class CompensationAttempted(_StepEvent):
 
 class CompensationSettled(_Settlement):
     type: Literal["compensation.settled"] = "compensation.settled"
+
+
+class TaskAborted(_Event):
+    """A caller or operator calls the task off. No new step is decided; a saga undoes what is
+    proven done. Steps already in flight are never abandoned: they settle first."""
+
+    type: Literal["task.aborted"] = "task.aborted"
+    reason: str = Field(min_length=1)
+    by: str = Field("operator", min_length=1, description="Who called it off.")
 
 
 class TaskFinished(_Event):
@@ -324,6 +343,8 @@ Event = Annotated[
     | CompensationIntended
     | CompensationAttempted
     | CompensationSettled
+    | CompensationChecked
+    | TaskAborted
     | TaskFinished,
     Field(discriminator="type"),
 ]
@@ -339,6 +360,8 @@ EVENT_TYPES: tuple[type[BaseModel], ...] = (
     CompensationIntended,
     CompensationAttempted,
     CompensationSettled,
+    CompensationChecked,
+    TaskAborted,
     TaskFinished,
 )
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from halfway.contract.events import EVENT_ADAPTER, EVENT_TYPES, DeadLetter, event_type_name
+from halfway.contract.guards import SubjectClaimed, SubjectReleased
 from halfway.contract.outcomes import OutcomeChanged
 from halfway.contract.webhooks import WebhookReceived
 
@@ -36,6 +37,8 @@ def render() -> dict[str, str]:
     models.append(("dead_letter", DeadLetter))
     models.append(("webhook.received", WebhookReceived))
     models.append(("outcome.changed", OutcomeChanged))
+    models.append(("subject.claimed", SubjectClaimed))
+    models.append(("subject.released", SubjectReleased))
     for name, model in models:
         file = f"{name}.schema.json"
         files[file] = _document(model.model_json_schema(mode="validation"), file)

@@ -51,6 +51,13 @@ OUTCOMES = TopicSpec(
     KEEP_FOREVER,
     "user-facing three-state outcomes, derived from the journal (rebuildable by replay)",
 )
+GUARDS = TopicSpec(
+    "guards",
+    6,
+    "subject",
+    KEEP_FOREVER,
+    "subject guard claims and releases: one subject's claims are ordered in one partition",
+)
 DEAD_LETTERS = TopicSpec(
     "deadletters",
     1,
@@ -59,4 +66,4 @@ DEAD_LETTERS = TopicSpec(
     "records that failed validation, whole, with the reason",
 )
 
-ALL_TOPICS: tuple[TopicSpec, ...] = (TASKS, JOURNAL, WEBHOOKS, OUTCOMES, DEAD_LETTERS)
+ALL_TOPICS: tuple[TopicSpec, ...] = (TASKS, JOURNAL, WEBHOOKS, OUTCOMES, GUARDS, DEAD_LETTERS)

@@ -14,6 +14,12 @@ tool's argument model (strictly: `"49.00"` is not an amount in cents), and the k
 the harness from the step id. The model never names the key. A proposal that fails is refused
 with a reason the model can read: the decider journals `step.refused`, the model sees it and
 decides again, at most REFUSALS_MAX times for one step; then the task fails with the reason.
+
+A saga (`halfway.core.saga`) adds two things: `accept_call` refuses a step that breaks the
+order of saga roles, and a failing saga is undone instead of asking further: `Compensate`
+journals the undo of each done step (last first), and the task finishes `compensated` once
+every undo is done, or `needs_attention` if one cannot be. A task that is aborted decides no
+new step; its steps in flight settle first.
 """
 
 from __future__ import annotations
@@ -24,7 +30,16 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from halfway.contract import EffectClass, FinalState, Outcome, mint_key, step_id
+from halfway.contract import (
+    CompensationPlan,
+    EffectClass,
+    FinalState,
+    Outcome,
+    SagaRole,
+    mint_key,
+    step_id,
+)
+from halfway.core import saga
 from halfway.core.fold import StepStatus, TaskState, TaskStatus
 
 REFUSALS_MAX = 3  # refused proposals for one step before the task gives up
@@ -54,6 +69,21 @@ class Finish:
 
 
 @dataclass(frozen=True, slots=True)
+class Abort:
+    """Call the task off (`task.aborted` by halfway): its saga failed before the pivot."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Compensate:
+    """Journal `compensation.intended` for these steps, in this order: (n, tool, args)."""
+
+    undos: tuple[tuple[int, str, dict[str, Any]], ...]
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
 class Hold:
     """Nothing to decide until something settles; `reason` says what."""
 
@@ -65,7 +95,7 @@ class Idle:
     """Nothing to do: not started, rejected or finished."""
 
 
-TaskMove = Start | Reject | Ask | Finish | Hold | Idle
+TaskMove = Start | Reject | Ask | Abort | Compensate | Finish | Hold | Idle
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +106,9 @@ class ToolFacts:
     args_model: type[BaseModel]
     effect_class: EffectClass
     subject_of: Any  # Callable[[BaseModel], str | None]
+    saga_role: SagaRole | None = None
+    undo: CompensationPlan | None = None
+    once_per_subject: bool = False
 
 
 def decide(state: TaskState, *, known_tools: set[str], requested: bool,
@@ -91,12 +124,21 @@ def decide(state: TaskState, *, known_tools: set[str], requested: bool,
             return Reject(f"unknown tools: {', '.join(unknown)}")
         return Start()
 
+    failing = saga.failure(state, now)
+    if failing is not None:
+        return Abort(failing)
+    undoing = saga.undoing(state)
+    if undoing is not None:
+        return _undo(state, undoing)
     for step in state.steps.values():
         if step.effect.needs_attention:
             return Hold(f"step {step.step_id} is unknown and needs an operator")
         if step.status in (StepStatus.INTENDED, StepStatus.IN_FLIGHT, StepStatus.UNKNOWN):
             return Hold(f"step {step.step_id} is {step.status}")
 
+    if state.aborted is not None:  # not a saga, or past its pivot: steps settle, then it ends
+        return Finish(FinalState.FAILED,
+                      f"aborted by {state.aborted.by}: {state.aborted.reason}")
     policy = state.started.policy
     if policy.deadline is not None and now >= policy.deadline:
         return Finish(FinalState.FAILED, f"the deadline {policy.deadline:%Y-%m-%d %H:%M}Z passed")
@@ -108,6 +150,61 @@ def decide(state: TaskState, *, known_tools: set[str], requested: bool,
         return Finish(FinalState.FAILED, f"the model's proposals for step {n} were refused "
                       f"{len(refused)} times; the last: {refused[-1].reason}")
     return Ask(n)
+
+
+def _undo(state: TaskState, why: str) -> TaskMove:
+    """The next move of a saga being undone."""
+    steps = sorted(state.steps.values(), key=lambda s: -s.n)
+    for step in steps:
+        if step.effect.needs_attention:
+            return Finish(FinalState.NEEDS_ATTENTION,
+                          f"{why}; step {step.step_id} ({step.intent.tool}) is unknown and no "
+                          f"check is left: an operator must say whether it happened, then undo "
+                          f"it and the steps before it")
+    undos: list[tuple[int, str, dict[str, Any]]] = []
+    for step in saga.undo_plan(state):
+        plan, settlement = step.intent.compensation, step.effect.settlement
+        assert settlement is not None
+        args = None if plan is None else saga.undo_args(plan, dict(step.intent.args),
+                                                         settlement.evidence)
+        if plan is None or isinstance(args, str):
+            cause = args if isinstance(args, str) else "it declared no undo"
+            return Finish(FinalState.NEEDS_ATTENTION,
+                          f"{why}; step {step.step_id} ({step.intent.tool}) is done but cannot "
+                          f"be undone: {cause}")
+        undos.append((step.n, plan.tool, args))
+    if undos:
+        return Compensate(tuple(undos), why)
+    for step in steps:
+        undo = step.undo
+        if step.compensation is not None and (undo.outcome is Outcome.NOT_DONE
+                                              or undo.needs_attention):
+            reason = undo.settlement.reason if undo.settlement else None
+            if undo.needs_attention and undo.last_check is not None:
+                reason = undo.last_check.found
+            return Finish(FinalState.NEEDS_ATTENTION,
+                          f"{why}; the undo of step {step.step_id} ({step.compensation.tool}) "
+                          f"could not be done ({reason}): an operator must undo it"
+                          + _remaining(state, step.n))
+    for step in steps:
+        if step.status in saga.UNSETTLED:
+            return Hold(f"undoing the saga; step {step.step_id} is {step.status}: it is "
+                        f"undone once proven done")
+        if step.compensation is not None and step.undo.outcome is not Outcome.DONE:
+            return Hold(f"undoing the saga; the undo of step {step.step_id} is "
+                        f"{step.undo.status}")
+    undone = [s for s in steps if s.compensation is not None]
+    if not undone:
+        return Finish(FinalState.FAILED, f"{why}; nothing was done, so nothing needed undoing")
+    done = ", ".join(f"{s.step_id} {s.intent.tool} by {s.compensation.tool}"
+                     for s in undone if s.compensation is not None)
+    return Finish(FinalState.COMPENSATED, f"{why}; undone, last first: {done}")
+
+
+def _remaining(state: TaskState, n: int) -> str:
+    before = [s.step_id for s in state.steps.values()
+              if s.n < n and s.outcome is Outcome.DONE and s.undo.outcome is not Outcome.DONE]
+    return f"; not undone yet, waiting behind it: {', '.join(before)}" if before else ""
 
 
 def final_state_for(state: TaskState) -> FinalState:
@@ -137,6 +234,9 @@ def accept_call(state: TaskState, n: int, tool: ToolFacts | None, tool_name: str
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
                              for e in exc.errors(include_url=False))
         return Refused(f"refused: arguments for {tool_name} are invalid: {problems}")
+    refusal = saga.saga_refusal(state, tool_name, tool.saga_role, tool.undo)
+    if refusal is not None:
+        return Refused(refusal)
     sid = step_id(state.task_id, n)
     return {
         "step_id": sid,
@@ -146,4 +246,6 @@ def accept_call(state: TaskState, n: int, tool: ToolFacts | None, tool_name: str
         "key": mint_key(sid),
         "subject": tool.subject_of(parsed),
         "effect_class": tool.effect_class,
+        "saga_role": tool.saga_role,
+        "compensation": tool.undo,  # declared before the step runs
     }

@@ -39,6 +39,7 @@ from typing import assert_never
 
 from halfway.contract.events import (
     CompensationAttempted,
+    CompensationChecked,
     CompensationIntended,
     CompensationSettled,
     Event,
@@ -49,6 +50,7 @@ from halfway.contract.events import (
     StepIntended,
     StepRefused,
     StepSettled,
+    TaskAborted,
     TaskFinished,
     TaskRejected,
     TaskRequested,
@@ -58,6 +60,7 @@ from halfway.contract.ids import parse_step_id
 
 Settlement = StepSettled | CompensationSettled
 Attempt = StepAttempted | CompensationAttempted
+Check = StepChecked | CompensationChecked
 
 
 class TaskStatus(StrEnum):
@@ -84,7 +87,7 @@ class EffectState:
     settlement: Settlement | None = None  # the one that counts (rule 3)
     unknowns: tuple[Settlement, ...] = ()  # every unknown seen, in log order
     contradictions: tuple[Settlement, ...] = ()
-    last_check: StepChecked | None = None
+    last_check: Check | None = None
     checks: int = 0  # lookups that found nothing, for the backoff schedule
 
     @property
@@ -134,7 +137,7 @@ class EffectState:
             return self  # the same contradiction, written twice
         return replace(self, contradictions=(*self.contradictions, event))
 
-    def with_check(self, event: StepChecked) -> EffectState:
+    def with_check(self, event: Check) -> EffectState:
         # A check is news only if it is newer than the last one; a zombie's late copy of an
         # older check must not move "next check at" backwards.
         if self.last_check is not None and event.at <= self.last_check.at:
@@ -181,6 +184,7 @@ class TaskState:
     request: TaskRequested | None = None
     started: TaskStarted | None = None
     rejected: TaskRejected | None = None
+    aborted: TaskAborted | None = None  # called off: no new step; a saga undoes what is done
     finished: TaskFinished | None = None
     steps: Mapping[int, StepState] = field(default_factory=lambda: MappingProxyType({}))
     refusals: tuple[StepRefused, ...] = ()  # proposals the decider refused, in log order
@@ -259,6 +263,10 @@ def apply(state: TaskState, event: Event) -> TaskState:
             if state.rejected is not None:
                 return state
             return replace(state, rejected=event, status=TaskStatus.REJECTED)
+        case TaskAborted():
+            if state.aborted is not None or state.finished is not None:
+                return state  # the first call-off counts; a finished task has nothing to stop
+            return replace(state, aborted=event)
         case TaskFinished():
             if state.finished is not None:
                 return state
@@ -275,7 +283,7 @@ def apply(state: TaskState, event: Event) -> TaskState:
                 return state  # too late to matter, or the same refusal written twice
             return replace(state, refusals=(*state.refusals, event))
         case StepAttempted() | StepSettled() | StepChecked() | CompensationIntended() | \
-                CompensationAttempted() | CompensationSettled():
+                CompensationAttempted() | CompensationSettled() | CompensationChecked():
             return _apply_to_step(state, event)
         case _:
             assert_never(event)
@@ -288,6 +296,7 @@ StepEvent = (
     | CompensationIntended
     | CompensationAttempted
     | CompensationSettled
+    | CompensationChecked
 )
 
 
@@ -320,6 +329,8 @@ def _step_with(step: StepState, event: StepEvent) -> StepState:
             return replace(step, undo=step.undo.with_attempt(event))
         case CompensationSettled():
             return replace(step, undo=step.undo.with_settlement(event))
+        case CompensationChecked():
+            return replace(step, undo=step.undo.with_check(event))
         case _:
             assert_never(event)
 

@@ -1,13 +1,15 @@
 """The executor service: a thin loop around `halfway.core.next_action`.
 
-For every step of the tasks it follows, and that it has no move in flight for, it asks
-`next_action` and performs the calls: journal `step.attempted`, then send the request with
+For every effect of the tasks it follows (a step, or the undo of a step whose turn has come:
+`effects_to_work`), and that it has no move in flight for, it asks `next_action` and performs
+the calls: journal `step.attempted`, then send the request with
 the step's key (never the other way round); journal the outcome `classify` gives; retry with
 the same key when a lookup found nothing and the key is alive. Lookups and escalations are the
 reconciler's (halfway.reconciler). Moves run as their own tasks (at most CALLS_IN_FLIGHT_MAX at
 once), so a slow provider never blocks other tasks on the same partition. After a restart the
 follower replays the journal, and every "attempted, no outcome" step is settled unknown, so
-the reconciler looks it up before anything else is sent.
+the reconciler looks it up before anything else is sent. A step never sent whose task was
+aborted, or whose saga is being undone, is settled `not_done` instead of sent.
 """
 
 from __future__ import annotations
@@ -16,16 +18,9 @@ import asyncio
 from datetime import UTC, datetime
 
 from halfway import log
-from halfway.contract import (
-    EffectClass,
-    Event,
-    Outcome,
-    SettlementSource,
-    StepAttempted,
-    StepSettled,
-)
+from halfway.contract import EffectClass, Event, Outcome, SettlementSource
 from halfway.core.classify import TimedOut, classify
-from halfway.core.fold import StepState
+from halfway.core.effects import Effect, effects_to_work
 from halfway.core.next_action import (
     Action,
     Call,
@@ -68,47 +63,48 @@ class Executor(StepWorker):
             state = self.follower.states.get(task_id)
             if state is None:
                 continue
-            for step in state.steps.values():
-                if not self.busy(step):
-                    self._consider(step, now)
+            for effect in effects_to_work(state, now):
+                if not self.busy(effect):
+                    self._consider(effect, now)
 
-    def _consider(self, step: StepState, now: datetime) -> None:
-        tool = self.registry.get(step.intent.tool)
-        if tool is None:
-            self._log.error("no such tool here; the step waits", step_id=step.step_id,
-                            tool=step.intent.tool)
+    def _consider(self, effect: Effect, now: datetime) -> None:
+        if effect.called_off is not None:
+            self.start_move(effect, self._move(effect, None, SettleNotDone(effect.called_off)))
             return
-        action = next_action(step.effect, tool.spec.policy(), now)
+        tool = self.registry.get(effect.tool)
+        if tool is None:
+            self._log.error("no such tool here; the effect waits", move=effect.move_id,
+                            tool=effect.tool)
+            return
+        action = next_action(effect.state, tool.spec.policy(), now)
         match action:
             case Nothing() | Lookup() | Escalate():
                 return  # settled, or the reconciler's move: it looks up and escalates
             case Wait(until=until):
-                self.wake_at(step, until, now)
+                self.wake_at(effect, until, now)
             case _:
-                self.start_move(step, self._move(step, tool, action))
+                self.start_move(effect, self._move(effect, tool, action))
 
-    async def _move(self, step: StepState, tool: Tool, action: Action) -> None:
-        with log.bound(task_id=step.intent.task_id, step_id=step.step_id):
+    async def _move(self, effect: Effect, tool: Tool | None, action: Action) -> None:
+        with log.bound(task_id=effect.task_id, step_id=effect.step_id, undo=effect.undo):
             try:
                 async with self._slots:
-                    await self._perform(step, tool, action)
+                    await self._perform(effect, tool, action)
             except Exception:
-                # The journal is unchanged by a move that failed before its write; the step
+                # The journal is unchanged by a move that failed before its write; the effect
                 # is considered again at the next change and the move is retried.
                 self._log.exception("move failed", action=type(action).__name__)
 
-    async def _perform(self, step: StepState, tool: Tool, action: Action) -> None:
-        intent, task_id = step.intent, step.intent.task_id
-        spec = tool.spec
-        settled = {"step_id": step.step_id}
+    async def _perform(self, effect: Effect, tool: Tool | None, action: Action) -> None:
+        task_id = effect.task_id
         match action:
             case Call(attempt=n):
-                await self._write(StepAttempted(**stamp(task_id), step_id=step.step_id,
-                                                attempt=n, key=intent.key,
-                                                started_at=datetime.now(UTC)))
+                assert tool is not None
+                spec = tool.spec
+                await self._write(effect.attempted(stamp(task_id), n, datetime.now(UTC)))
                 # Write before acting: from here on, a crash leaves "attempted, no outcome".
-                args = spec.args_model.model_validate(intent.args)
-                ctx = CallContext(step.step_id, intent.key, n, spec.timeout_s)
+                args = spec.args_model.model_validate(dict(effect.args))
+                ctx = CallContext(effect.step_id, effect.key, n, spec.timeout_s)
                 try:
                     async with asyncio.timeout(spec.timeout_s + TIMEOUT_GRACE_S):
                         result = await tool.adapter.call(args, ctx)
@@ -116,25 +112,24 @@ class Executor(StepWorker):
                     result = TimedOut(spec.timeout_s)
                 self._log.info("attempt answered", attempt=n, result=type(result).__name__)
                 if isinstance(result, Succeeded):
-                    await self._write(StepSettled(
-                        **stamp(task_id), **settled, outcome=Outcome.DONE, attempt=n,
+                    await self._write(effect.settled(
+                        stamp(task_id), outcome=Outcome.DONE, attempt=n,
                         source=SettlementSource.CALL,
                         evidence={**result.evidence, "replayed": result.replayed}))
                 elif spec.effect_class is EffectClass.READ:
                     return  # reads are never unknown: next_action reads again, within bounds
                 else:
                     verdict = classify(result, attempt=n)
-                    await self._write(StepSettled(
-                        **stamp(task_id), **settled, outcome=verdict.outcome, attempt=n,
+                    await self._write(effect.settled(
+                        stamp(task_id), outcome=verdict.outcome, attempt=n,
                         source=SettlementSource.CALL, reason=verdict.reason))
             case SettleUnknown(attempt=n, reason=reason):
-                await self._write(StepSettled(**stamp(task_id), **settled,
-                                              outcome=Outcome.UNKNOWN, attempt=n,
-                                              source=SettlementSource.CALL, reason=reason))
+                await self._write(effect.settled(stamp(task_id), outcome=Outcome.UNKNOWN,
+                                                 attempt=n, source=SettlementSource.CALL,
+                                                 reason=reason))
             case SettleNotDone(reason=reason):
-                await self._write(StepSettled(**stamp(task_id), **settled,
-                                              outcome=Outcome.NOT_DONE,
-                                              source=SettlementSource.CALL, reason=reason))
+                await self._write(effect.settled(stamp(task_id), outcome=Outcome.NOT_DONE,
+                                                 source=SettlementSource.CALL, reason=reason))
             case _:
                 raise AssertionError(f"unexpected action {action!r}")
 

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from halfway.contract import Event, encode_event, parse_event
 from halfway.contract.events import DeadLetter
+from halfway.contract.guards import GuardRecord, parse_guard_record
 from halfway.contract.webhooks import WebhookReceived, parse_webhook
 
 Headers = list[tuple[str, bytes]]
@@ -76,6 +77,20 @@ def decode_webhook(record: ConsumerRecord) -> WebhookReceived:
     if record.key is not None and record.key != hook.record_key():
         raise InvalidRecord(f"record key {record.key!r} is not the webhook's {hook.record_key()!r}")
     return hook
+
+
+def decode_guard(record: ConsumerRecord) -> GuardRecord:
+    """The claim or release a record of the guards topic holds, or InvalidRecord."""
+    if record.value is None:
+        raise InvalidRecord("the record has no value (a tombstone)")
+    try:
+        guard = parse_guard_record(record.value)
+    except ValidationError as exc:
+        raise InvalidRecord(_describe(exc)) from exc
+    if record.key is not None and record.key != guard.record_key():
+        # Claims on one subject must share a partition, or the log cannot order them.
+        raise InvalidRecord(f"record key {record.key!r} is not the subject {guard.subject!r}")
+    return guard
 
 
 def _describe(exc: ValidationError) -> str:

@@ -14,8 +14,9 @@ sees a task's steps and the webhooks about them), and for each changed task:
 - escalates: when no lookup is left and no retry is safe, a `step.checked` with no next check
   says the step needs an operator (`halfway resolve`).
 
-Calls (first attempts and retries with the same key) are the executor's; this service never
-sends one.
+Undos are effects too (`effects_to_work`): they are looked up, checked and escalated the same
+way, with `compensation.*` events. Calls (first attempts and retries with the same key) are the
+executor's; this service never sends one.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import asyncio
 from datetime import UTC, datetime
 
 from halfway import log
-from halfway.contract import Event, Outcome, SettlementSource, StepChecked, StepSettled
+from halfway.contract import Event, Outcome, SettlementSource
 from halfway.contract.topics import WEBHOOKS
-from halfway.core.fold import StepState
+from halfway.core.effects import Effect, effects_to_work
 from halfway.core.next_action import (
     Escalate,
     Lookup,
@@ -66,86 +67,82 @@ class Reconciler(StepWorker):
             state = self.follower.states.get(task_id)
             if state is None:
                 continue  # webhooks for a task not in the journal yet: kept, matched later
-            for step in state.steps.values():
-                if self.busy(step):
+            for effect in effects_to_work(state, now):
+                if self.busy(effect):
                     continue
-                with log.bound(task_id=task_id, step_id=step.step_id):
-                    if not await self._match_webhooks(step):
-                        self._consider(step, now)
+                with log.bound(task_id=task_id, step_id=effect.step_id, undo=effect.undo):
+                    if not await self._match_webhooks(effect):
+                        self._consider(effect, now)
 
-    async def _match_webhooks(self, step: StepState) -> bool:
+    async def _match_webhooks(self, effect: Effect) -> bool:
         """Journal what the first webhook with news says; True if one was written."""
-        for hook in self.follower.webhooks.get(step.intent.key, ()):
-            verdict = webhook_verdict(step.effect, hook)
+        for hook in self.follower.webhooks.get(effect.key, ()):
+            verdict = webhook_verdict(effect.state, hook)
             if verdict is None:
                 continue
-            await self._write(StepSettled(
-                **stamp(step.intent.task_id), step_id=step.step_id, outcome=verdict.outcome,
-                evidence=verdict.evidence, reason=verdict.reason,
-                source=SettlementSource.WEBHOOK))
+            await self._write(effect.settled(
+                stamp(effect.task_id), outcome=verdict.outcome, evidence=verdict.evidence,
+                reason=verdict.reason, source=SettlementSource.WEBHOOK))
             self._log.info("settled by webhook", outcome=verdict.outcome,
                            provider_event_id=hook.provider_event_id)
             return True  # the fold must see it before the next webhook is weighed
         return False
 
-    def _consider(self, step: StepState, now: datetime) -> None:
-        tool = self.registry.get(step.intent.tool)
-        if tool is None:
+    def _consider(self, effect: Effect, now: datetime) -> None:
+        tool = self.registry.get(effect.tool)
+        if tool is None or effect.called_off is not None:
             return
-        action = next_action(step.effect, tool.spec.policy(), now)
+        action = next_action(effect.state, tool.spec.policy(), now)
         match action:
             case Lookup() if self.lookups:
-                self.start_move(step, self._lookup(step, tool))
+                self.start_move(effect, self._lookup(effect, tool))
             case Escalate(reason=reason):
-                self.start_move(step, self._escalate(step, reason))
+                self.start_move(effect, self._escalate(effect, reason))
             case Wait(until=until):
-                self.wake_at(step, until, now)
+                self.wake_at(effect, until, now)
             case _:
                 pass  # settled, or the executor's move (a call), or lookups are off
 
-    async def _lookup(self, step: StepState, tool: Tool) -> None:
-        intent, spec = step.intent, tool.spec
-        with log.bound(task_id=intent.task_id, step_id=step.step_id):
+    async def _lookup(self, effect: Effect, tool: Tool) -> None:
+        spec = tool.spec
+        with log.bound(task_id=effect.task_id, step_id=effect.step_id, undo=effect.undo):
             try:
                 async with self._slots:
-                    args = spec.args_model.model_validate(intent.args)
-                    ctx = CallContext(step.step_id, intent.key, len(step.effect.attempts),
+                    args = spec.args_model.model_validate(dict(effect.args))
+                    ctx = CallContext(effect.step_id, effect.key, len(effect.state.attempts),
                                       spec.timeout_s)
                     found = await tool.adapter.lookup(args, ctx)
-                    await self._record_lookup(step, tool, found)
+                    await self._record_lookup(effect, tool, found)
             except Exception:
                 self._log.exception("lookup failed; it is tried again at the next change")
 
-    async def _record_lookup(self, step: StepState, tool: Tool, found: object) -> None:
-        task_id, settled = step.intent.task_id, {"step_id": step.step_id}
+    async def _record_lookup(self, effect: Effect, tool: Tool, found: object) -> None:
+        task_id = effect.task_id
         if isinstance(found, Found) and found.succeeded:
-            await self._write(StepSettled(**stamp(task_id), **settled, outcome=Outcome.DONE,
-                                          evidence=found.evidence,
-                                          source=SettlementSource.LOOKUP))
+            await self._write(effect.settled(stamp(task_id), outcome=Outcome.DONE,
+                                             evidence=found.evidence,
+                                             source=SettlementSource.LOOKUP))
             return
         if isinstance(found, Found):
-            await self._write(StepSettled(
-                **stamp(task_id), **settled, outcome=Outcome.NOT_DONE,
-                source=SettlementSource.LOOKUP,
+            await self._write(effect.settled(
+                stamp(task_id), outcome=Outcome.NOT_DONE, source=SettlementSource.LOOKUP,
                 reason=f"the provider's record shows it failed: {found.reason}"))
             return
         now = datetime.now(UTC)
         detail = getattr(found, "detail", "nothing found")
-        after = on_nothing_found(step.effect, tool.spec.policy(), now)
+        after = on_nothing_found(effect.state, tool.spec.policy(), now)
         if isinstance(after, SettleNotDone):
-            await self._write(StepSettled(**stamp(task_id, now), **settled,
-                                          outcome=Outcome.NOT_DONE,
-                                          source=SettlementSource.LOOKUP, reason=after.reason))
+            await self._write(effect.settled(stamp(task_id, now), outcome=Outcome.NOT_DONE,
+                                             source=SettlementSource.LOOKUP,
+                                             reason=after.reason))
             return
         if after is None:
             detail += "; lookups are over and no retry is safe: an operator must resolve it"
-        await self._write(StepChecked(**stamp(task_id, now), **settled, found=detail,
-                                      next_check_at=after))
+        await self._write(effect.checked(stamp(task_id, now), detail, after))
         self._log.info("checked: nothing yet", next_check_at=after)
 
-    async def _escalate(self, step: StepState, reason: str) -> None:
-        await self._write(StepChecked(**stamp(step.intent.task_id), step_id=step.step_id,
-                                      found=reason, next_check_at=None))
+    async def _escalate(self, effect: Effect, reason: str) -> None:
+        await self._write(effect.checked(stamp(effect.task_id), reason, None))
         self._log.warning("needs an operator", reason=reason)
 
     async def _write(self, event: Event) -> None:

@@ -14,6 +14,15 @@ The rules a tool author must know, in one place:
 - **subject(args)** names the business object the call touches (`invoice:INV-2291`).
 - **lookup** (on the adapter) asks the provider whether the effect named by our key exists. A
   tool without a lookup can only be settled by its reply, a webhook or an operator.
+- **saga_role** says where the tool may stand in a saga (`halfway.core.saga`): `compensable`
+  (declares `undo`), `pivot` (irreversible: at most one per saga, nothing undoable after it),
+  `retriable` (after the pivot, retried with its key until done). None: not for sagas.
+- **undo** (compensable tools): the tool that undoes the effect and its arguments, declared
+  before the step runs. A string argument `"$args.NAME"` or `"$result.NAME"` is replaced by
+  that field of the step's frozen arguments or of its `done` evidence (call or lookup alike).
+- **once_per_subject**: a `done` effect on a subject is never repeated, by any task, however
+  much later (the subject guard, `halfway.core.guard`). Every tool with a subject is guarded
+  while a step on it is in flight or unknown.
 - **completes_within_s**: declare it only if the provider finishes every request within that
   bound; then a lookup that finds nothing after it proves `not_done`. Leave it None when the
   provider's search can lag (Stripe's can, by minutes): nothing found then proves nothing.
@@ -30,7 +39,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 
-from halfway.contract import EffectClass, SagaRole
+from halfway.contract import CompensationPlan, EffectClass, SagaRole
 from halfway.core.classify import CallFailure
 from halfway.core.decide import ToolFacts
 from halfway.core.next_action import StepPolicy
@@ -105,6 +114,8 @@ class ToolSpec:
     attempts_max: int = 10  # every retry loop has a bound
     completes_within_s: float | None = None
     saga_role: SagaRole | None = None
+    undo: CompensationPlan | None = None
+    once_per_subject: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def policy(self) -> StepPolicy:
@@ -119,10 +130,16 @@ class ToolSpec:
         )
 
     def facts(self) -> ToolFacts:
-        return ToolFacts(self.name, self.args_model, self.effect_class, self.subject)
+        return ToolFacts(self.name, self.args_model, self.effect_class, self.subject,
+                         saga_role=self.saga_role, undo=self.undo,
+                         once_per_subject=self.once_per_subject)
 
     def __post_init__(self) -> None:
         if self.effect_class is EffectClass.KEYED and not self.key_ttl_s:
             raise ValueError(f"tool {self.name}: a keyed tool must declare key_ttl_s")
+        if self.saga_role is SagaRole.COMPENSABLE and self.undo is None:
+            raise ValueError(f"tool {self.name}: a compensable tool must declare its undo")
+        if self.undo is not None and self.saga_role is not SagaRole.COMPENSABLE:
+            raise ValueError(f"tool {self.name}: only a compensable tool declares an undo")
         if self.timeout_s <= 0:
             raise ValueError(f"tool {self.name}: timeout_s must be positive")

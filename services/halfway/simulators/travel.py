@@ -1,0 +1,934 @@
+"""tripsim: three providers in one process (flights, hotels, email) for sagas in demos and tests.
+
+Run it as its own process: `python -m halfway.simulators.travel --port 0 --key-ttl-s 86400`
+prints exactly one line, `listening on http://127.0.0.1:PORT`, once it accepts connections.
+
+What it models. A trip is a saga: hold a flight and book a hotel (both can be undone), then
+send the itinerary by email (it cannot be). No flight or hotel API was researched
+(research/providers.md covers payments and email), so all three follow paysim's model, which is
+Stripe's: the `Idempotency-Key` header dedupes our retries while the key is younger than
+`key_ttl_s`, and our key also travels in the object (`metadata.halfway_key`; for an email, its
+Message-ID) so a lookup finds the effect by our name for it, also after the key is forgotten.
+The email provider dedupes by `Idempotency-Key` for 24 h like Resend and is searched by
+Message-ID like Mailgun. Error bodies are paysim's (`{"error": {type, code, message}}`), so one
+adapter reads all three; unlike Resend's 409, a key reused with other parameters is a 400
+`idempotency_error`, as at Stripe.
+
+Endpoints (JSON bodies; each write takes an `Idempotency-Key` header):
+
+    POST /flights/holds                   {flight, passenger, metadata}    flights.hold
+    POST /flights/holds/{id}/release      {}                               flights.release
+    POST /hotels/bookings                 {hotel, guest, nights, metadata} hotels.book
+    POST /hotels/bookings/{id}/cancel     {}                               hotels.cancel
+    POST /email/messages                  {to, subject, body, message_id}  email.send
+    GET  /flights/holds?key=K | ?release_key=K       GET /flights/holds/{id}
+    GET  /hotels/bookings?key=K | ?cancel_key=K      GET /hotels/bookings/{id}
+    GET  /email/messages?message_id=M                GET /email/messages/{id}
+
+Lists answer `{"object": "list", "data": [...], "has_more"}`, newest first, at most `limit`.
+`key` matches `metadata.halfway_key`; `release_key` / `cancel_key` match the keys of the undo
+requests a hold or booking was answered 200 for (`release_keys` / `cancel_keys` on the object),
+so an undo step finds its own effect by its own key.
+
+Theory of operation. Every write (a create or an undo) passes through paysim's layers, in
+paysim's order, and each layer says whether its answer is saved under the key:
+
+1. Arrival: the write is numbered (from 1 since the fault rules were last set: overall, and
+   per endpoint) and the first fault rule that matches it is consumed, once, here.
+2. Rate limiter: a 429 fault answers now. Not saved.
+3. Request checks: a bad `Idempotency-Key` or a body that is not a JSON object is a 400; a full
+   store is a 503. Not saved.
+4. Idempotency layer, for a key younger than `key_ttl_s`: another endpoint or other parameters
+   → 400 `idempotency_error`; the first request still executing → 409
+   `idempotency_key_in_use`; otherwise the saved status and body are replayed with
+   `Idempotent-Replayed: true`. None of these answers is saved.
+5. Validation: bad parameters → 400; an unknown hold or booking → 404 `resource_missing`; an
+   undo of a refused attempt → 400 `not_undoable`. Not saved: the key stays free.
+6. Execution: the key is reserved as processing; a fault's delay runs, then a 5xx before
+   commit, or the provider acts, then a 5xx after commit (only after a 2xx). Acting is one of:
+   - a create makes its effect (a hold `held`, a booking `confirmed`, an email `sent`), or is
+     refused with 422 (a flight with no seats: `no_seats`, only by a `decline` fault; a hotel
+     in the full set: `no_availability`; an address at `@bounce.invalid`: `invalid_recipient`).
+     A refused attempt is recorded with status `refused`, so a lookup by key finds it (proof of
+     not done), but it is not an effect: the ledger lists it under `refused` only;
+   - an undo moves a `held` hold to `released`, a `confirmed` booking to `cancelled`, and
+     records the undo's key on it. An undo of what is already undone is a 200 too (and records
+     its key). A `decline` fault refuses an undo with 422 (`release_refused`,
+     `cancellation_refused`) and changes nothing. Emails have no undo.
+   Whatever the answer, 5xx included, it is saved under the key (a snapshot: the replay of a
+   hold's creation still says `held` after it is released). Execution is shielded from the
+   client hanging up: a hold whose client gave up still lands, as at Stripe.
+7. Reply: a `lose_reply` fault closes the connection instead of answering (the result is
+   already committed and saved, so a retry with the key replays it).
+
+Fault rules (`POST /_sim/faults`, `{"rules": [...]}`) are paysim's `FaultAction` under a
+`match` with one more condition, `endpoint`: one of `flights.hold`, `flights.release`,
+`hotels.book`, `hotels.cancel`, `email.send`. With it, `nth` and `every` count that endpoint's
+writes; without it, every write. Lookups are never faulted.
+
+Simulator controls: `DELETE /_sim/faults`, `POST /_sim/reset` (a new, empty state; the full set
+back to its default), `POST /_sim/clock {"advance_s": N}`, `POST /_sim/hotels/full
+{"hotels": [...]}` (replaces the full set; `HTL-FULL` by default), `GET /_sim/requests` (every
+write with its endpoint, key, numbers, fault and answer), `GET /_sim/ledger` (`holds`,
+`bookings`, `emails`: effects only, each with its key, request id and status history;
+`refused`: the refused attempts), and `POST /_sim/drain` (answers once every execution in
+flight has finished, within `DRAIN_TIMEOUT_S`: tests wait for a slow commit without polling).
+
+Time: keys expire and histories are stamped on the simulator's clock, wall time plus an offset
+that `POST /_sim/clock` moves forward. Delays are real time.
+
+Bounds: at most `STORE_ENTRIES_MAX` keys, records (of all providers together) and logged
+writes, and `IN_FLIGHT_MAX` executions at once; past them a write is refused with 503
+(unsaved), never silently dropped, because the ledger is the ground truth tests compare with.
+
+Not modelled: API keys, hold time limits (a real hold lapses on its own), cancellation fees,
+webhooks, search lag, Resend's 409 codes, SES replacing our Message-ID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import hashlib
+import json
+import random
+import re
+import secrets
+import signal
+import socket
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from halfway.simulators.payments import NO_FAULT, FaultAction, FaultMatch
+
+HOST = "127.0.0.1"
+PROVIDER = "tripsim"
+KEY_TTL_S_DEFAULT = 86_400.0  # Stripe v1 and Resend both keep keys 24 h
+KEY_CHARS_MAX = 255
+STORE_ENTRIES_MAX = 100_000  # keys, records (all providers together) and logged writes, each
+IN_FLIGHT_MAX = 10_000  # executions at once
+RULES_MAX = 100
+CLOCK_ADVANCE_S_MAX = 10 * 365 * 86_400.0
+BODY_BYTES_MAX = 64 * 1024
+TEXT_CHARS_MAX = 500  # flight, passenger, hotel, guest, e-mail subject
+EMAIL_BODY_CHARS_MAX = 32 * 1024
+NIGHTS_MAX = 365
+LIST_LIMIT_DEFAULT = 10
+LIST_LIMIT_MAX = 100
+METADATA_KEYS_MAX = 50  # Stripe's metadata limits
+METADATA_KEY_CHARS_MAX = 40
+METADATA_VALUE_CHARS_MAX = 500
+METADATA_KEY = "halfway_key"  # the metadata entry that carries the creator's key
+FULL_HOTELS_DEFAULT = frozenset({"HTL-FULL"})
+FULL_HOTELS_MAX = 1_000
+BOUNCE_DOMAIN = "@bounce.invalid"  # mail to an address here is refused
+DRAIN_TIMEOUT_S = 60.0  # POST /_sim/drain waits at most this long, then says what is in flight
+SHUTDOWN_TIMEOUT_S = 2.0  # a stopping simulator does not wait for slow (delayed) requests
+BACKLOG = 1024
+
+EndpointName = Literal["flights.hold", "flights.release", "hotels.book", "hotels.cancel",
+                       "email.send"]
+_ADDRESS = re.compile(r"[^@\s<>]+@[^@\s<>]+\.[^@\s<>]+")
+
+# --- fault rules (the JSON body of POST /_sim/faults) -------------------------------------------
+
+
+class TripFaultMatch(FaultMatch):
+    """paysim's conditions plus `endpoint`. With `endpoint`, `nth` and `every` count the writes
+    to that endpoint; without it, all writes."""
+
+    endpoint: EndpointName | None = None
+
+    def hits_write(self, endpoint: str, number: int, endpoint_number: int, key: str | None,
+                   rng: random.Random) -> bool:
+        if self.endpoint is not None:
+            if endpoint != self.endpoint:
+                return False
+            number = endpoint_number
+        return self.hits(number, key, rng)
+
+
+class TripFaultRule(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    match: TripFaultMatch = Field(default_factory=TripFaultMatch)
+    times: int | None = Field(default=None, ge=1)  # None: for as long as the rules stand
+    action: FaultAction
+
+
+class TripFaultRules(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    rules: list[TripFaultRule] = Field(max_length=RULES_MAX)
+
+
+class FullHotels(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    hotels: list[str] = Field(max_length=FULL_HOTELS_MAX)
+
+
+@dataclass(slots=True)
+class _ArmedRule:
+    rule: TripFaultRule
+    times_left: int | None
+    rng: random.Random
+
+
+# --- state ---------------------------------------------------------------------------------------
+
+Store = Literal["holds", "bookings", "emails"]
+STORES: tuple[Store, ...] = ("holds", "bookings", "emails")
+EFFECT_STATUSES: dict[Store, frozenset[str]] = {
+    "holds": frozenset({"held", "released"}),
+    "bookings": frozenset({"confirmed", "cancelled"}),
+    "emails": frozenset({"sent"}),
+}
+REFUSED = "refused"
+
+
+@dataclass(slots=True)
+class _KeyEntry:
+    path: str
+    fingerprint: str
+    created_at_s: float
+    status: int | None = None  # None while the first request is still executing
+    body: dict[str, Any] | None = None
+
+
+@dataclass(slots=True)
+class _Record:
+    obj: dict[str, Any]  # the public object; an undo changes its status and history
+    idempotency_key: str | None  # of the request that made it
+    request_id: str
+
+
+@dataclass
+class TripState:
+    """Everything the simulator knows. `POST /_sim/reset` swaps in a new one, so a request still
+    executing from before the reset writes into the old state, never into the new ledger."""
+
+    key_ttl_s: float
+    clock_offset_s: float = 0.0
+    # In creation order: the clock only moves forward, so expired keys are always at the front.
+    keys: OrderedDict[str, _KeyEntry] = field(default_factory=OrderedDict)
+    records: dict[str, dict[str, _Record]] = field(
+        default_factory=lambda: {store: {} for store in STORES})  # insertion order = ledger order
+    # (store, field, value) -> record ids, oldest first: key, release_key, cancel_key, message_id
+    index: dict[tuple[str, str, str], list[str]] = field(default_factory=dict)
+    full_hotels: set[str] = field(default_factory=lambda: set(FULL_HOTELS_DEFAULT))
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    rules: list[_ArmedRule] = field(default_factory=list)
+    writes_since_rules: int = 0
+    writes_by_endpoint: dict[str, int] = field(default_factory=dict)
+    in_flight: int = 0
+    executions: set[asyncio.Task[tuple[int, dict[str, Any]]]] = field(default_factory=set)
+
+    def now_s(self) -> float:
+        return time.time() + self.clock_offset_s
+
+    def record_count(self) -> int:
+        return sum(len(records) for records in self.records.values())
+
+    def set_rules(self, rules: Sequence[TripFaultRule]) -> None:
+        self.rules = [_ArmedRule(r, r.times, random.Random(r.match.seed)) for r in rules]
+        self.writes_since_rules = 0
+        self.writes_by_endpoint = {}
+
+    def arrive(self, endpoint: str, key: str | None) -> tuple[int, int, FaultAction]:
+        """Number a write (overall, and per endpoint) and consume the first rule it matches."""
+        self.writes_since_rules += 1
+        number = self.writes_since_rules
+        endpoint_number = self.writes_by_endpoint.get(endpoint, 0) + 1
+        self.writes_by_endpoint[endpoint] = endpoint_number
+        for armed in self.rules:
+            if armed.times_left == 0:
+                continue
+            if armed.rule.match.hits_write(endpoint, number, endpoint_number, key, armed.rng):
+                if armed.times_left is not None:
+                    armed.times_left -= 1
+                return number, endpoint_number, armed.rule.action
+        return number, endpoint_number, NO_FAULT
+
+    def forget_expired_keys(self) -> None:
+        now_s = self.now_s()
+        while self.keys:
+            key, entry = next(iter(self.keys.items()))
+            if now_s - entry.created_at_s < self.key_ttl_s:
+                return
+            del self.keys[key]
+
+    def commit(self, store: Store, obj: dict[str, Any], key: str | None, request_id: str,
+               **indexed: str | None) -> None:
+        assert obj["id"] not in self.records[store], "ids are unique"
+        self.records[store][obj["id"]] = _Record(obj, key, request_id)
+        for name, value in indexed.items():
+            self.add_to_index(store, name, value, obj["id"])
+
+    def add_to_index(self, store: Store, name: str, value: str | None, record_id: str) -> None:
+        if value is not None:
+            self.index.setdefault((store, name, value), []).append(record_id)
+
+    def find(self, store: Store, name: str, value: str) -> list[dict[str, Any]]:
+        """The objects indexed under name=value, newest first."""
+        ids = self.index.get((store, name, value), [])
+        return [self.records[store][i].obj for i in reversed(ids)]
+
+
+@dataclass
+class Simulator:
+    """The app's handle on its state; `state` is replaced on reset (an aiohttp app is frozen)."""
+
+    state: TripState
+
+
+SIM = web.AppKey("tripsim", Simulator)
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+def _error(status: int, kind: str, message: str, *, code: str | None = None,
+           param: str | None = None, **extra: Any) -> tuple[int, dict[str, Any]]:
+    """paysim's (Stripe's) error body."""
+    error: dict[str, Any] = {"type": kind, "message": message}
+    if code is not None:
+        error["code"] = code
+    if param is not None:
+        error["param"] = param
+    error.update(extra)
+    return status, {"error": error}
+
+
+def _invalid(message: str, param: str | None = None,
+             code: str | None = None) -> tuple[int, dict[str, Any]]:
+    return _error(400, "invalid_request_error", message, code=code, param=param)
+
+
+def _reply(status: int, body: Mapping[str, Any], request_id: str, *, key: str | None = None,
+           replayed: bool = False) -> web.Response:
+    headers = {"Request-Id": request_id}
+    if key is not None:
+        headers["Idempotency-Key"] = key
+    if replayed:
+        headers["Idempotent-Replayed"] = "true"
+    return web.json_response(body, status=status, headers=headers)
+
+
+class _BadBody(Exception):
+    """The body is not a JSON object (answered 400, unsaved)."""
+
+
+async def _read_params(request: web.Request) -> dict[str, Any]:
+    """The JSON object in the body; an empty body is `{}` (an undo needs no parameters)."""
+    raw = await request.read()
+    if not raw.strip():
+        return {}
+    if request.content_type != "application/json":
+        raise _BadBody(f"unsupported content type {request.content_type}: send JSON")
+    try:
+        params = json.loads(raw)
+    except ValueError as exc:
+        raise _BadBody(f"invalid JSON: {exc}") from exc
+    if not isinstance(params, dict):
+        raise _BadBody("the JSON body must be an object")
+    return params
+
+
+def _fingerprint(method: str, path: str, params: Mapping[str, Any]) -> str:
+    canonical = json.dumps([method, path, params], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _limit(request: web.Request) -> int | tuple[int, dict[str, Any]]:
+    raw = request.query.get("limit", str(LIST_LIMIT_DEFAULT))
+    if not raw.isdigit() or not 1 <= int(raw) <= LIST_LIMIT_MAX:
+        return _invalid(f"limit must be an integer from 1 to {LIST_LIMIT_MAX}", "limit")
+    return int(raw)
+
+
+# --- validation (layer 5) ------------------------------------------------------------------------
+
+Answer = tuple[int, dict[str, Any]]
+
+
+def _check_params(params: Mapping[str, Any], allowed: Sequence[str],
+                  required: Sequence[str]) -> Answer | None:
+    for name in params:
+        if name not in allowed:
+            return _invalid(f"Received unknown parameter: {name}", name, "parameter_unknown")
+    for name in required:
+        if name not in params or params[name] in (None, ""):
+            return _invalid(f"Missing required param: {name}.", name, "parameter_missing")
+    return None
+
+
+def _check_text(params: Mapping[str, Any], name: str, chars_max: int = TEXT_CHARS_MAX
+                ) -> Answer | None:
+    value = params.get(name)
+    if value is not None and (not isinstance(value, str) or len(value) > chars_max):
+        return _invalid(f"{name} must be a string of at most {chars_max} characters.", name)
+    return None
+
+
+def _check_metadata(params: Mapping[str, Any]) -> Answer | None:
+    metadata = params.get("metadata", {})
+    if not isinstance(metadata, dict):
+        return _invalid("metadata must be an object.", "metadata")
+    if len(metadata) > METADATA_KEYS_MAX:
+        return _invalid(f"Metadata can have at most {METADATA_KEYS_MAX} keys.", "metadata")
+    for name, value in metadata.items():
+        if not isinstance(value, str) or len(name) > METADATA_KEY_CHARS_MAX or \
+                len(value) > METADATA_VALUE_CHARS_MAX:
+            return _invalid(f"Metadata keys are at most {METADATA_KEY_CHARS_MAX} characters and "
+                            f"values strings of at most {METADATA_VALUE_CHARS_MAX}.",
+                            f"metadata[{name}]")
+    return None
+
+
+def _first(*checks: Callable[[], Answer | None]) -> Answer | None:
+    for check in checks:
+        answer = check()
+        if answer is not None:
+            return answer
+    return None
+
+
+def _valid_hold(state: TripState, params: Mapping[str, Any],
+                match: Mapping[str, str]) -> Answer | None:
+    return _first(
+        lambda: _check_params(params, ("flight", "passenger", "metadata"),
+                              ("flight", "passenger")),
+        lambda: _check_text(params, "flight"), lambda: _check_text(params, "passenger"),
+        lambda: _check_metadata(params))
+
+
+def _valid_booking(state: TripState, params: Mapping[str, Any],
+                   match: Mapping[str, str]) -> Answer | None:
+    def nights() -> Answer | None:
+        value = params["nights"]
+        if isinstance(value, bool) or not isinstance(value, int) or \
+                not 1 <= value <= NIGHTS_MAX:
+            return _invalid(f"nights must be an integer from 1 to {NIGHTS_MAX}.", "nights")
+        return None
+
+    return _first(
+        lambda: _check_params(params, ("hotel", "guest", "nights", "metadata"),
+                              ("hotel", "guest", "nights")),
+        lambda: _check_text(params, "hotel"), lambda: _check_text(params, "guest"), nights,
+        lambda: _check_metadata(params))
+
+
+def _valid_email(state: TripState, params: Mapping[str, Any],
+                 match: Mapping[str, str]) -> Answer | None:
+    def address() -> Answer | None:
+        if not _ADDRESS.fullmatch(params["to"]):
+            return _invalid(f"Invalid `to` field: {params['to']}.", "to", "invalid_parameter")
+        return None
+
+    return _first(
+        lambda: _check_params(params, ("to", "subject", "body", "message_id"),
+                              ("to", "subject")),
+        lambda: _check_text(params, "to"), lambda: _check_text(params, "subject"),
+        lambda: _check_text(params, "body", EMAIL_BODY_CHARS_MAX),
+        lambda: _check_text(params, "message_id"), address)
+
+
+def _valid_undo(store: Store, param: str, noun: str
+                ) -> Callable[[TripState, Mapping[str, Any], Mapping[str, str]], Answer | None]:
+    def valid(state: TripState, params: Mapping[str, Any],
+              match: Mapping[str, str]) -> Answer | None:
+        checked = _check_params(params, (), ())
+        if checked is not None:
+            return checked
+        record = state.records[store].get(match[param])
+        if record is None:
+            return _error(404, "invalid_request_error", f"No such {noun}: '{match[param]}'",
+                          code="resource_missing", param="id")
+        if record.obj["status"] == REFUSED:
+            return _invalid(f"The {noun} '{match[param]}' was refused; there is nothing to undo.",
+                            "id", "not_undoable")
+        return None
+
+    return valid
+
+
+# --- acting (layer 6) ----------------------------------------------------------------------------
+
+
+def _history(status: str, at_s: float, key: str | None = None) -> dict[str, Any]:
+    return {"status": status, "at": at_s, "key": key}
+
+
+def _refuse(state: TripState, store: Store, obj: dict[str, Any], key: str | None,
+            request_id: str, code: str, message: str, noun: str,
+            **indexed: str | None) -> Answer:
+    """Record a refused create (found by lookups, never an effect) and answer 422."""
+    now_s = state.now_s()
+    obj.update(status=REFUSED, failure_code=code, failure_message=message,
+               history=[_history(REFUSED, now_s, key)])
+    state.commit(store, obj, key, request_id, **indexed)
+    return _error(422, "invalid_request_error", message, code=code, **{noun: obj["id"]})
+
+
+def _make(state: TripState, store: Store, obj: dict[str, Any], status: str, key: str | None,
+          request_id: str, **indexed: str | None) -> Answer:
+    obj.update(status=status, history=[_history(status, state.now_s(), key)])
+    state.commit(store, obj, key, request_id, **indexed)
+    return 200, copy.deepcopy(obj)
+
+
+def _hold(state: TripState, params: Mapping[str, Any], match: Mapping[str, str],
+          key: str | None, action: FaultAction, request_id: str) -> Answer:
+    metadata = dict(params.get("metadata", {}))
+    obj: dict[str, Any] = {
+        "id": _new_id("hold"), "object": "flight_hold", "flight": params["flight"],
+        "passenger": params["passenger"], "metadata": metadata,
+        "created": int(state.now_s()), "release_keys": []}
+    indexed = {"key": metadata.get(METADATA_KEY)}
+    if action.decline:
+        return _refuse(state, "holds", obj, key, request_id, "no_seats",
+                       f"No seats left on flight {params['flight']}.", "hold", **indexed)
+    return _make(state, "holds", obj, "held", key, request_id, **indexed)
+
+
+def _book(state: TripState, params: Mapping[str, Any], match: Mapping[str, str],
+          key: str | None, action: FaultAction, request_id: str) -> Answer:
+    metadata = dict(params.get("metadata", {}))
+    obj: dict[str, Any] = {
+        "id": _new_id("bk"), "object": "hotel_booking", "hotel": params["hotel"],
+        "guest": params["guest"], "nights": params["nights"], "metadata": metadata,
+        "created": int(state.now_s()), "cancel_keys": []}
+    indexed = {"key": metadata.get(METADATA_KEY)}
+    if action.decline or params["hotel"] in state.full_hotels:
+        return _refuse(state, "bookings", obj, key, request_id, "no_availability",
+                       f"Hotel {params['hotel']} has no room available for these nights.",
+                       "booking", **indexed)
+    return _make(state, "bookings", obj, "confirmed", key, request_id, **indexed)
+
+
+def _send(state: TripState, params: Mapping[str, Any], match: Mapping[str, str],
+          key: str | None, action: FaultAction, request_id: str) -> Answer:
+    message_id = params.get("message_id") or f"<{secrets.token_hex(16)}@{PROVIDER}.local>"
+    obj: dict[str, Any] = {
+        "id": _new_id("msg"), "object": "email", "message_id": message_id, "to": params["to"],
+        "subject": params["subject"], "body": params.get("body", ""),
+        "created": int(state.now_s())}
+    if action.decline or params["to"].lower().endswith(BOUNCE_DOMAIN):
+        return _refuse(state, "emails", obj, key, request_id, "invalid_recipient",
+                       f"The recipient {params['to']} does not accept mail.", "email",
+                       message_id=message_id)
+    return _make(state, "emails", obj, "sent", key, request_id, message_id=message_id)
+
+
+def _undo(store: Store, param: str, done: str, keys_field: str, index_name: str, code: str,
+          noun: str) -> Callable[..., Answer]:
+    """An undo: `held`/`confirmed` → `done`; already `done` is answered 200 as well. Either way
+    the undo's key is recorded on the object, so a lookup by that key finds it."""
+
+    def act(state: TripState, params: Mapping[str, Any], match: Mapping[str, str],
+            key: str | None, action: FaultAction, request_id: str) -> Answer:
+        obj = state.records[store][match[param]].obj
+        if action.decline:
+            return _error(422, "invalid_request_error", f"The provider refused to undo "
+                          f"{noun} {obj['id']}.", code=code, **{noun: obj["id"]})
+        if obj["status"] != done:
+            obj["status"] = done
+            obj["history"].append(_history(done, state.now_s(), key))
+        if key is not None and key not in obj[keys_field]:
+            obj[keys_field].append(key)
+            state.add_to_index(store, index_name, key, obj["id"])
+        return 200, copy.deepcopy(obj)
+
+    return act
+
+
+@dataclass(frozen=True, slots=True)
+class _Write:
+    """One write endpoint: its name (for fault rules and the request log), validation, act."""
+
+    name: EndpointName
+    validate: Callable[[TripState, Mapping[str, Any], Mapping[str, str]], Answer | None]
+    act: Callable[[TripState, Mapping[str, Any], Mapping[str, str], str | None, FaultAction,
+                   str], Answer]
+
+
+WRITES: dict[EndpointName, _Write] = {w.name: w for w in (
+    _Write("flights.hold", _valid_hold, _hold),
+    _Write("flights.release", _valid_undo("holds", "hold_id", "hold"),
+           _undo("holds", "hold_id", "released", "release_keys", "release_key",
+                 "release_refused", "hold")),
+    _Write("hotels.book", _valid_booking, _book),
+    _Write("hotels.cancel", _valid_undo("bookings", "booking_id", "booking"),
+           _undo("bookings", "booking_id", "cancelled", "cancel_keys", "cancel_key",
+                 "cancellation_refused", "booking")),
+    _Write("email.send", _valid_email, _send),
+)}
+
+
+# --- the write path ------------------------------------------------------------------------------
+
+
+def _write_handler(write: _Write) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return await _handle_write(request, write)
+
+    return handle
+
+
+async def _handle_write(request: web.Request, write: _Write) -> web.StreamResponse:
+    state = request.app[SIM].state  # held for the whole request: a reset swaps in a new one
+    request_id = _new_id("req")
+    key = request.headers.get("Idempotency-Key")
+    if key is not None and len(key) >= 2 and key[0] == key[-1] == '"':
+        key = key[1:-1]  # the IETF draft sends an sf-string; most clients send a bare token
+    if len(state.requests) >= STORE_ENTRIES_MAX:
+        status, body = _error(503, "api_error", "simulator request log is full; reset it")
+        return _reply(status, body, request_id)
+
+    number, endpoint_number, action = state.arrive(write.name, key)
+    logged: dict[str, Any] = {"at": state.now_s(), "request_id": request_id,
+                              "endpoint": write.name, "path": request.path, "key": key,
+                              "number": number, "endpoint_number": endpoint_number,
+                              "params": None, "status": None, "replayed": False,
+                              "reply_lost": False,
+                              "fault": action.model_dump(exclude_defaults=True) or None}
+    state.requests.append(logged)
+
+    status, body, replayed = await _answer(request, state, write, key, action, request_id,
+                                           logged)
+    logged["status"], logged["replayed"] = status, replayed
+    if action.lose_reply and request.transport is not None:
+        # Hang up without a byte of response: the client sees the server disconnect.
+        logged["reply_lost"] = True
+        request.transport.close()
+    return _reply(status, body, request_id, key=key, replayed=replayed)
+
+
+async def _answer(request: web.Request, state: TripState, write: _Write, key: str | None,
+                  action: FaultAction, request_id: str,
+                  logged: dict[str, Any]) -> tuple[int, dict[str, Any], bool]:
+    """Layers 2 to 6 of the theory of operation: (status, body, replayed)."""
+    if action.status == 429:
+        await asyncio.sleep(action.delay_s)
+        return (*_error(429, "rate_limit_error", "Too many requests; back off and retry.",
+                        code="rate_limit"), False)
+    if key is not None and not 1 <= len(key) <= KEY_CHARS_MAX:
+        return (*_invalid(f"Idempotency keys are 1 to {KEY_CHARS_MAX} characters long.",
+                          "Idempotency-Key"), False)
+    try:
+        params = await _read_params(request)
+    except _BadBody as exc:
+        return (*_invalid(str(exc)), False)
+    logged["params"] = params
+    # From here to the reservation below nothing awaits, so no other request can slip between
+    # the key check and the reservation.
+    path = request.path
+    fingerprint = _fingerprint(request.method, path, params)
+    entry: _KeyEntry | None = None
+    if key is not None:
+        state.forget_expired_keys()
+        known = state.keys.get(key)
+        if known is not None:
+            return _reused(known, key, path, fingerprint)
+        if len(state.keys) >= STORE_ENTRIES_MAX:
+            return (*_error(503, "api_error", f"simulator key store is full "
+                            f"({STORE_ENTRIES_MAX} keys); retry later or reset"), False)
+    invalid = write.validate(state, params, request.match_info)
+    if invalid is not None:
+        return (*invalid, False)
+    if state.record_count() + state.in_flight >= STORE_ENTRIES_MAX or \
+            state.in_flight >= IN_FLIGHT_MAX:
+        return (*_error(503, "api_error", "simulator records or executions are full; "
+                        "retry later or reset"), False)
+    if key is not None:
+        entry = _KeyEntry(path, fingerprint, state.now_s())
+        state.keys[key] = entry
+    state.in_flight += 1
+    match = dict(request.match_info)
+    execution = asyncio.create_task(
+        _execute(state, write, params, match, key, entry, action, request_id))
+    state.executions.add(execution)  # a strong reference: the loop keeps only weak ones
+    execution.add_done_callback(lambda done: _executed(state, key, entry, done))
+    # Shielded: a client that hangs up or times out does not stop a write that began.
+    status, body = await asyncio.shield(execution)
+    return status, body, False
+
+
+def _reused(known: _KeyEntry, key: str, path: str,
+            fingerprint: str) -> tuple[int, dict[str, Any], bool]:
+    """The idempotency layer's answer to a key it still remembers: (status, body, replayed)."""
+    if known.status is not None and (known.path, known.fingerprint) == (path, fingerprint):
+        assert known.body is not None
+        return known.status, known.body, True
+    if known.path != path:
+        status, body = _error(
+            400, "idempotency_error", "Keys for idempotent requests can only be used for the "
+            f"same endpoint they were first used for ('{path}' vs '{known.path}'). Try using a "
+            f"key other than '{key}' if you meant to execute a different request.")
+    elif known.fingerprint != fingerprint:
+        status, body = _error(
+            400, "idempotency_error", "Keys for idempotent requests can only be used with the "
+            "same parameters they were first used with. Try using a key other than "
+            f"'{key}' if you meant to execute a different request.")
+    else:
+        status, body = _error(
+            409, "api_error", "There is currently another in-progress request using this "
+            "Idempotency-Key. Please try again later.", code="idempotency_key_in_use")
+    return status, body, False
+
+
+async def _execute(state: TripState, write: _Write, params: Mapping[str, Any],
+                   match: Mapping[str, str], key: str | None, entry: _KeyEntry | None,
+                   action: FaultAction, request_id: str) -> Answer:
+    """Layer 6: act and save the answer under the key, whatever it is."""
+    await asyncio.sleep(action.delay_s)
+    result = _act(state, write, params, match, key, action, request_id)
+    if entry is not None:
+        entry.status, entry.body = result
+    return result
+
+
+def _executed(state: TripState, key: str | None, entry: _KeyEntry | None,
+              execution: asyncio.Task[Answer]) -> None:
+    """A done callback, so it runs even for an execution cancelled before it started."""
+    state.in_flight -= 1
+    state.executions.discard(execution)
+    assert state.in_flight >= 0
+    if entry is not None and entry.status is None and key is not None and \
+            state.keys.get(key) is entry:
+        # A bug or a shutdown ended it unsaved: free the key rather than answer 409 forever.
+        del state.keys[key]
+
+
+def _act(state: TripState, write: _Write, params: Mapping[str, Any], match: Mapping[str, str],
+         key: str | None, action: FaultAction, request_id: str) -> Answer:
+    if action.status is not None and action.when == "before_commit":
+        return _error(action.status, "api_error", "An unexpected error occurred (injected "
+                      "before commit: nothing was done).")
+    status, body = write.act(state, params, match, key, action, request_id)
+    if action.status is not None and 200 <= status < 300:
+        return _error(action.status, "api_error", "An unexpected error occurred (injected "
+                      "after commit: it was done).")
+    return status, body
+
+
+# --- lookups -------------------------------------------------------------------------------------
+
+
+def _list_handler(store: Store, filters: Sequence[str]
+                  ) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """GET a list filtered by exactly one of `filters` (each an index name and query name)."""
+
+    async def handle(request: web.Request) -> web.Response:
+        state = request.app[SIM].state
+        request_id = _new_id("req")
+        limit = _limit(request)
+        if isinstance(limit, tuple):
+            return _reply(*limit, request_id)
+        given = [name for name in filters if name in request.query]
+        if len(given) != 1:
+            return _reply(*_invalid(f"filter by exactly one of: {', '.join(filters)}"),
+                          request_id)
+        found = state.find(store, given[0], request.query[given[0]])
+        return _reply(200, {"object": "list", "url": request.path, "data": found[:limit],
+                            "has_more": len(found) > limit}, request_id)
+
+    return handle
+
+
+def _get_handler(store: Store, param: str,
+                 noun: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def handle(request: web.Request) -> web.Response:
+        record = request.app[SIM].state.records[store].get(request.match_info[param])
+        if record is None:
+            return _reply(*_error(404, "invalid_request_error",
+                                  f"No such {noun}: '{request.match_info[param]}'",
+                                  code="resource_missing", param="id"), _new_id("req"))
+        return _reply(200, record.obj, _new_id("req"))
+
+    return handle
+
+
+# --- simulator controls --------------------------------------------------------------------------
+
+
+def _bad_control(message: str) -> web.Response:
+    return web.json_response({"error": {"type": "invalid_request_error", "message": message}},
+                             status=400)
+
+
+async def set_faults(request: web.Request) -> web.Response:
+    try:
+        rules = TripFaultRules.model_validate_json(await request.read())
+    except ValidationError as exc:
+        return _bad_control(str(exc))
+    request.app[SIM].state.set_rules(rules.rules)
+    return web.json_response({"rules": len(rules.rules)})
+
+
+async def clear_faults(request: web.Request) -> web.Response:
+    request.app[SIM].state.set_rules([])
+    return web.json_response({"rules": 0})
+
+
+async def set_full_hotels(request: web.Request) -> web.Response:
+    try:
+        full = FullHotels.model_validate_json(await request.read())
+    except ValidationError as exc:
+        return _bad_control(str(exc))
+    state = request.app[SIM].state
+    state.full_hotels = set(full.hotels)
+    return web.json_response({"hotels": sorted(state.full_hotels)})
+
+
+async def ledger(request: web.Request) -> web.Response:
+    """The effects, per provider, and the refused attempts apart: never mixed."""
+    state = request.app[SIM].state
+    described: dict[str, list[dict[str, Any]]] = {store: [] for store in STORES}
+    described["refused"] = []
+    for store in STORES:
+        for record in state.records[store].values():
+            entry = {**record.obj, "idempotency_key": record.idempotency_key,
+                     "request_id": record.request_id}
+            if record.obj["status"] in EFFECT_STATUSES[store]:
+                described[store].append(entry)
+            else:
+                described["refused"].append(entry)
+    return web.json_response(described)
+
+
+async def requests_log(request: web.Request) -> web.Response:
+    return web.json_response({"requests": request.app[SIM].state.requests})
+
+
+async def reset(request: web.Request) -> web.Response:
+    sim = request.app[SIM]
+    sim.state = TripState(key_ttl_s=sim.state.key_ttl_s)
+    return web.json_response({"reset": True})
+
+
+async def advance_clock(request: web.Request) -> web.Response:
+    """Move the simulator's clock forward (never back: key expiry relies on it)."""
+    try:
+        raw = await request.json()
+        advance_s = float(raw["advance_s"])
+    except (ValueError, KeyError, TypeError):
+        return _bad_control('expected {"advance_s": N}')
+    if not 0.0 <= advance_s <= CLOCK_ADVANCE_S_MAX:
+        return _bad_control(f"advance_s must be 0 to {CLOCK_ADVANCE_S_MAX:g}")
+    state = request.app[SIM].state
+    state.clock_offset_s += advance_s
+    return web.json_response({"now": state.now_s(), "offset_s": state.clock_offset_s})
+
+
+async def drain(request: web.Request) -> web.Response:
+    """Answer once every execution in flight now has finished (or DRAIN_TIMEOUT_S passed)."""
+    state = request.app[SIM].state
+    pending = list(state.executions)
+    if pending:
+        await asyncio.wait(pending, timeout=DRAIN_TIMEOUT_S)  # waits; never cancels them
+    return web.json_response({"in_flight": state.in_flight})
+
+
+# --- app and process -----------------------------------------------------------------------------
+
+
+def make_app(key_ttl_s: float = KEY_TTL_S_DEFAULT) -> web.Application:
+    if key_ttl_s <= 0:
+        raise ValueError(f"key_ttl_s must be positive, got {key_ttl_s}")
+    app = web.Application(client_max_size=BODY_BYTES_MAX)
+    app[SIM] = Simulator(TripState(key_ttl_s=key_ttl_s))
+    post = app.router.add_post
+    get = app.router.add_get
+    post("/flights/holds", _write_handler(WRITES["flights.hold"]))
+    post("/flights/holds/{hold_id}/release", _write_handler(WRITES["flights.release"]))
+    get("/flights/holds", _list_handler("holds", ("key", "release_key")))
+    get("/flights/holds/{hold_id}", _get_handler("holds", "hold_id", "hold"))
+    post("/hotels/bookings", _write_handler(WRITES["hotels.book"]))
+    post("/hotels/bookings/{booking_id}/cancel", _write_handler(WRITES["hotels.cancel"]))
+    get("/hotels/bookings", _list_handler("bookings", ("key", "cancel_key")))
+    get("/hotels/bookings/{booking_id}", _get_handler("bookings", "booking_id", "booking"))
+    post("/email/messages", _write_handler(WRITES["email.send"]))
+    get("/email/messages", _list_handler("emails", ("message_id",)))
+    get("/email/messages/{email_id}", _get_handler("emails", "email_id", "email"))
+    post("/_sim/faults", set_faults)
+    app.router.add_delete("/_sim/faults", clear_faults)
+    post("/_sim/hotels/full", set_full_hotels)
+    get("/_sim/ledger", ledger)
+    get("/_sim/requests", requests_log)
+    post("/_sim/reset", reset)
+    post("/_sim/clock", advance_clock)
+    post("/_sim/drain", drain)
+    app.on_shutdown.append(_cancel_executions)
+    return app
+
+
+async def _cancel_executions(app: web.Application) -> None:
+    executions = list(app[SIM].state.executions)
+    for execution in executions:
+        execution.cancel()
+    await asyncio.gather(*executions, return_exceptions=True)
+
+
+async def _start(host: str, port: int, key_ttl_s: float) -> tuple[str, web.AppRunner]:
+    # Our own socket, so that with port 0 we can read back the port the kernel chose.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    runner = web.AppRunner(make_app(key_ttl_s), access_log=None,
+                           shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    await runner.setup()
+    await web.SockSite(runner, sock, backlog=BACKLOG).start()
+    return f"http://{host}:{sock.getsockname()[1]}", runner
+
+
+async def start_in_process(port: int = 0, key_ttl_s: float = KEY_TTL_S_DEFAULT, *,
+                           host: str = HOST) -> tuple[str, Callable[[], Awaitable[None]]]:
+    """Serve the simulator on this event loop: (base URL, a coroutine function that stops it)."""
+    url, runner = await _start(host, port, key_ttl_s)
+    return url, runner.cleanup
+
+
+async def _serve(host: str, port: int, key_ttl_s: float) -> None:
+    url, runner = await _start(host, port, key_ttl_s)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    print(f"listening on {url}", flush=True)  # the one line a parent process reads
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m halfway.simulators.travel",
+        description="A flights, hotels and email provider simulator (tripsim).")
+    parser.add_argument("--host", default=HOST)
+    parser.add_argument("--port", type=int, default=0, help="0: any free port")
+    parser.add_argument("--key-ttl-s", type=float, default=KEY_TTL_S_DEFAULT,
+                        help="how long an idempotency key is remembered after its first request")
+    args = parser.parse_args(argv)
+    if args.key_ttl_s <= 0:
+        parser.error("--key-ttl-s must be positive")
+    asyncio.run(_serve(args.host, args.port, args.key_ttl_s))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

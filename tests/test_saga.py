@@ -1,0 +1,336 @@
+"""Sagas, pure: the order rules (with the reason the model reads), undo planning and order,
+and how a failing saga ends. The broker-backed trip runs are in test_trip.py."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import BaseModel, ConfigDict
+
+from halfway.contract import (
+    CompensationPlan,
+    EffectClass,
+    FinalState,
+    OnUnknown,
+    Outcome,
+    SagaRole,
+    SettlementSource,
+    TaskPolicy,
+)
+from halfway.core import saga
+from halfway.core.decide import (
+    Abort,
+    Ask,
+    Compensate,
+    Finish,
+    Hold,
+    Refused,
+    ToolFacts,
+    accept_call,
+    decide,
+)
+from halfway.core.effects import effects_to_work
+from halfway.core.fold import fold
+from tests.factories import Stamper
+
+TOOLS = {"hold_flight", "book_hotel", "charge_customer", "send_email", "lookup_fare"}
+
+
+class AnyArgs(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+def facts(name: str, role: SagaRole | None, undo: str | None = None) -> ToolFacts:
+    plan = None if undo is None else CompensationPlan(tool=undo, args={"ref": "$result.ref"})
+    return ToolFacts(name, AnyArgs, EffectClass.KEYED, lambda _a: None, saga_role=role,
+                     undo=plan)
+
+
+HOLD = facts("hold_flight", SagaRole.COMPENSABLE, "release_flight_hold")
+HOTEL = facts("book_hotel", SagaRole.COMPENSABLE, "cancel_hotel_booking")
+CHARGE = facts("charge_customer", SagaRole.PIVOT)
+EMAIL = facts("send_email", SagaRole.RETRIABLE)
+FARE = facts("lookup_fare", None)
+BY_NAME = {f.name: f for f in (HOLD, HOTEL, CHARGE, EMAIL, FARE)}
+
+
+class Trip:
+    """A saga's journal, written step by step like the services would."""
+
+    def __init__(self, policy: TaskPolicy | None = None) -> None:
+        self.s = Stamper("trip-7")
+        self.log: list[Any] = [self.s.started(allowed_tools=sorted(TOOLS),
+                                              policy=policy or TaskPolicy(saga=True))]
+
+    def state(self):
+        return fold(self.log)
+
+    def place(self, tool: str) -> int:
+        """Place the next step through accept_call, as the decider would."""
+        state = self.state()
+        n = state.next_step_n
+        fields = accept_call(state, n, BY_NAME[tool], tool, {"ref": f"r{n}"})
+        assert not isinstance(fields, Refused), fields
+        fields.pop("step_id"), fields.pop("key")
+        self.log.append(self.s.intended(**fields))
+        return n
+
+    def settle(self, n: int, outcome: Outcome, **kw: Any) -> None:
+        if outcome is Outcome.DONE:
+            kw.setdefault("evidence", {"ref": f"ref-{n}"})
+        self.log.append(self.s.settled(n, outcome, **kw))
+
+    def run(self, n: int, outcome: Outcome = Outcome.DONE) -> None:
+        self.log.append(self.s.attempted(n, 1))
+        self.settle(n, outcome, attempt=1)
+
+    def decide(self, now_plus: timedelta = timedelta(0)):
+        """The decider's next move; a call-off is journaled as the decider would."""
+        move = decide(self.state(), known_tools=TOOLS, requested=True,
+                      now=self.s.now + now_plus)
+        if isinstance(move, Abort):
+            self.log.append(self.s.aborted(move.reason, by=saga.HARNESS))
+            return self.decide(now_plus)
+        return move
+
+    def compensate(self, move: Compensate) -> None:
+        for n, tool, args in move.undos:
+            self.log.append(self.s.undo_intended(n, tool=tool, args=args))
+
+    def undo(self, n: int, outcome: Outcome = Outcome.DONE) -> None:
+        self.log.append(self.s.undo_attempted(n, 1))
+        self.log.append(self.s.undo_settled(n, outcome, attempt=1))
+
+
+def refusal(trip: Trip, tool: str) -> str:
+    state = trip.state()
+    out = accept_call(state, state.next_step_n, BY_NAME[tool], tool, {"ref": "x"})
+    assert isinstance(out, Refused), out
+    return out.reason
+
+
+# -- the order rules --------------------------------------------------------------------------
+
+
+def test_a_step_with_no_undo_that_is_not_the_pivot_is_refused() -> None:
+    trip = Trip()
+    assert refusal(trip, "lookup_fare") == (
+        "refused: lookup_fare declares no undo and is not the pivot, so this saga could not "
+        "take it back; a saga places undoable steps, then one pivot, then retriable steps")
+    assert refusal(trip, "send_email") == (
+        "refused: send_email cannot be undone and is not the pivot; place it after the pivot")
+
+
+def test_a_second_pivot_is_refused() -> None:
+    trip = Trip()
+    trip.run(trip.place("hold_flight"))
+    trip.run(trip.place("charge_customer"))
+    assert refusal(trip, "charge_customer") == (
+        "refused: this saga already has its pivot, trip-7:2 (charge_customer); a second step "
+        "that cannot be undone is not allowed")
+
+
+def test_a_compensable_step_after_the_pivot_is_refused() -> None:
+    trip = Trip()
+    trip.run(trip.place("charge_customer"))
+    assert refusal(trip, "book_hotel") == (
+        "refused: book_hotel would come after the pivot trip-7:1 (charge_customer); nothing "
+        "that may need undoing can follow the point of no return")
+
+
+def test_the_right_order_is_accepted_and_each_undo_is_declared_with_its_step() -> None:
+    trip = Trip()
+    for tool in ("hold_flight", "book_hotel", "charge_customer", "send_email"):
+        trip.run(trip.place(tool))
+    steps = trip.state().steps
+    assert steps[1].intent.compensation == HOLD.undo
+    assert steps[2].intent.saga_role is SagaRole.COMPENSABLE
+    assert steps[3].intent.compensation is None
+    assert isinstance(trip.decide(), Ask)
+
+
+def test_a_task_that_is_not_a_saga_has_no_order_rules() -> None:
+    trip = Trip(TaskPolicy(saga=False))
+    trip.run(trip.place("send_email"))
+    trip.run(trip.place("lookup_fare"))
+
+
+# -- undoing a failing saga -------------------------------------------------------------------
+
+
+def test_a_step_not_done_undoes_the_done_steps_last_first_then_compensated() -> None:
+    trip = Trip()
+    trip.run(trip.place("hold_flight"))
+    trip.run(trip.place("book_hotel"))
+    trip.run(trip.place("charge_customer"), Outcome.NOT_DONE)  # the card is declined
+    move = trip.decide()
+    assert move == Compensate(
+        ((2, "cancel_hotel_booking", {"ref": "ref-2"}),
+         (1, "release_flight_hold", {"ref": "ref-1"})),
+        "step trip-7:3 (charge_customer) was not done: refused: card declined")
+    trip.compensate(move)
+    state = trip.state()
+    # Only the last undo may run: reverse order.
+    undos = [e.step_id for e in effects_to_work(state, trip.s.now) if e.undo]
+    assert undos == ["trip-7:2"]
+    assert isinstance(trip.decide(), Hold)
+    trip.undo(2)
+    undos = [e.step_id for e in effects_to_work(trip.state(), trip.s.now) if e.undo]
+    assert undos == ["trip-7:1", "trip-7:2"]
+    trip.undo(1)
+    move = trip.decide()
+    assert isinstance(move, Finish)
+    assert move.state is FinalState.COMPENSATED
+    assert "trip-7:2 book_hotel by cancel_hotel_booking, trip-7:1 hold_flight" in move.summary
+
+
+def test_a_first_step_not_done_leaves_nothing_to_undo() -> None:
+    trip = Trip()
+    trip.run(trip.place("hold_flight"), Outcome.NOT_DONE)
+    move = trip.decide()
+    assert isinstance(move, Finish)
+    assert move.state is FinalState.FAILED
+    assert "nothing was done" in move.summary
+
+
+@pytest.mark.parametrize("proven", [Outcome.DONE, Outcome.NOT_DONE])
+def test_an_unknown_step_is_undone_only_once_proven_done(proven: Outcome) -> None:
+    trip = Trip(TaskPolicy(saga=True, on_unknown=OnUnknown.COMPENSATE))
+    trip.run(trip.place("hold_flight"))
+    hotel = trip.place("book_hotel")
+    trip.run(hotel, Outcome.UNKNOWN)
+    move = trip.decide()
+    # The saga gives up on the unknown step: the hold is undone-to-be, the hotel waits.
+    assert move == Compensate(((1, "release_flight_hold", {"ref": "ref-1"}),),
+                              "step trip-7:2 (book_hotel) is unknown, and the policy gives "
+                              "up on unknowns")
+    trip.compensate(move)
+    # The hold's undo waits for the later step: it may still turn out done.
+    assert [e for e in effects_to_work(trip.state(), trip.s.now) if e.undo] == []
+    assert isinstance(trip.decide(), Hold)
+    trip.settle(hotel, proven, source=SettlementSource.LOOKUP)
+    move = trip.decide()
+    if proven is Outcome.DONE:
+        assert move == Compensate(((2, "cancel_hotel_booking", {"ref": "ref-2"}),), move.why)
+        trip.compensate(move)
+        trip.undo(2)
+    else:
+        assert isinstance(move, Hold)  # no undo for a step that never happened
+    trip.undo(1)
+    final = trip.decide()
+    assert isinstance(final, Finish)
+    assert final.state is FinalState.COMPENSATED
+    assert ("book_hotel by cancel_hotel_booking" in final.summary) is (proven is Outcome.DONE)
+
+
+def test_with_on_unknown_wait_a_saga_holds_on_an_unknown_step() -> None:
+    trip = Trip()
+    trip.run(trip.place("hold_flight"))
+    trip.run(trip.place("book_hotel"), Outcome.UNKNOWN)
+    assert isinstance(trip.decide(), Hold)
+
+
+def test_an_undo_that_cannot_be_done_needs_attention() -> None:
+    trip = Trip()
+    trip.run(trip.place("hold_flight"))
+    trip.run(trip.place("book_hotel"))
+    trip.run(trip.place("charge_customer"), Outcome.NOT_DONE)
+    trip.compensate(trip.decide())
+    trip.undo(2, Outcome.NOT_DONE)
+    move = trip.decide()
+    assert isinstance(move, Finish)
+    assert move.state is FinalState.NEEDS_ATTENTION
+    assert "the undo of step trip-7:2 (cancel_hotel_booking) could not be done" in move.summary
+    assert "waiting behind it: trip-7:1" in move.summary
+
+
+def test_past_the_pivot_a_saga_only_goes_forward() -> None:
+    trip = Trip()
+    trip.run(trip.place("hold_flight"))
+    trip.run(trip.place("charge_customer"))
+    trip.run(trip.place("send_email"), Outcome.NOT_DONE)
+    assert saga.failure(trip.state(), trip.s.now) is None
+    assert isinstance(trip.decide(), Ask)
+
+
+def test_an_aborted_saga_calls_off_its_unsent_step_and_undoes_the_rest() -> None:
+    trip = Trip()
+    trip.run(trip.place("hold_flight"))
+    hotel = trip.place("book_hotel")
+    trip.log.append(trip.s.aborted("the customer cancelled"))
+    effects = {e.move_id: e for e in effects_to_work(trip.state(), trip.s.now)}
+    assert effects["trip-7:2"].called_off == (
+        "the task was called off before this step was sent: the customer cancelled")
+    trip.settle(hotel, Outcome.NOT_DONE, reason=effects["trip-7:2"].called_off)
+    move = trip.decide()
+    assert isinstance(move, Compensate)
+    assert move.why == "aborted by operator: the customer cancelled"
+
+
+def test_an_undo_whose_arguments_cannot_be_derived_needs_attention() -> None:
+    trip = Trip()
+    trip.run(trip.place("hold_flight"))
+    trip.log[-1] = trip.s.settled(1, Outcome.DONE, attempt=1, evidence={"other": 1})
+    trip.run(trip.place("charge_customer"), Outcome.NOT_DONE)
+    move = trip.decide()
+    assert isinstance(move, Finish)
+    assert move.state is FinalState.NEEDS_ATTENTION
+    assert "the step's result has no 'ref'" in move.summary
+
+
+def test_undo_args_fill_in_args_and_result() -> None:
+    plan = CompensationPlan(tool="t", args={"a": "$args.invoice", "b": "$result.id", "c": 3})
+    assert saga.undo_args(plan, {"invoice": "I-1"}, {"id": "x"}) == {"a": "I-1", "b": "x", "c": 3}
+    assert "names no known source" in str(saga.undo_args(
+        CompensationPlan(tool="t", args={"a": "$nope.x"}), {}, {}))
+
+
+# -- a property: whatever the outcomes, undos run last first and only for done steps -----------
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([Outcome.DONE, Outcome.NOT_DONE, Outcome.UNKNOWN]),
+                min_size=1, max_size=4),
+       st.lists(st.sampled_from([Outcome.DONE, Outcome.NOT_DONE]), min_size=4, max_size=4),
+       st.randoms(use_true_random=False))
+def test_undos_happen_last_first_once_and_only_for_done_steps(
+        outcomes: list[Outcome], proofs: list[Outcome], rng: Any) -> None:
+    trip = Trip(TaskPolicy(saga=True, on_unknown=OnUnknown.COMPENSATE))
+    for i, outcome in enumerate(outcomes):
+        n = trip.place("hold_flight" if i % 2 == 0 else "book_hotel")
+        trip.run(n, outcome)
+        if outcome is not Outcome.DONE:
+            break
+    else:
+        trip.log.append(trip.s.aborted())  # all went well: a caller calls it off
+    undone: list[int] = []
+    for _ in range(50):  # every loop moves something; a bound all the same
+        move = trip.decide()
+        if isinstance(move, Finish):
+            break
+        if isinstance(move, Compensate):
+            trip.compensate(move)
+            continue
+        state = trip.state()
+        unknown = [s for s in state.steps.values() if s.outcome is Outcome.UNKNOWN]
+        ready = [e for e in effects_to_work(state, trip.s.now)
+                 if e.undo and e.state.outcome is None]
+        choices = [("prove", s.n) for s in unknown]
+        choices += [("undo", int(e.step_id.split(":")[1])) for e in ready]
+        assert choices, f"stuck: {move}"
+        what, n = rng.choice(choices)
+        if what == "prove":
+            trip.settle(n, proofs[n - 1], source=SettlementSource.LOOKUP)
+        else:
+            trip.undo(n)
+            undone.append(n)
+    else:
+        pytest.fail("the saga never finished")
+    state = trip.state()
+    done = sorted((s.n for s in state.steps.values() if s.outcome is Outcome.DONE), reverse=True)
+    assert undone == done  # every done step undone once, last first, and nothing else
+    assert move.state is (FinalState.COMPENSATED if done else FinalState.FAILED)
