@@ -267,7 +267,7 @@ class TripState:
             del self.keys[key]
 
     def commit(self, store: Store, obj: dict[str, Any], key: str | None, request_id: str,
-               **indexed: str | None) -> None:
+               indexed: Mapping[str, str | None]) -> None:
         assert obj["id"] not in self.records[store], "ids are unique"
         self.records[store][obj["id"]] = _Record(obj, key, request_id)
         for name, value in indexed.items():
@@ -473,20 +473,20 @@ def _history(status: str, at_s: float, key: str | None = None) -> dict[str, Any]
 
 
 def _refuse(state: TripState, store: Store, obj: dict[str, Any], key: str | None,
-            request_id: str, code: str, message: str, noun: str,
-            **indexed: str | None) -> Answer:
+            request_id: str, indexed: Mapping[str, str | None], code: str, message: str,
+            noun: str) -> Answer:
     """Record a refused create (found by lookups, never an effect) and answer 422."""
     now_s = state.now_s()
     obj.update(status=REFUSED, failure_code=code, failure_message=message,
                history=[_history(REFUSED, now_s, key)])
-    state.commit(store, obj, key, request_id, **indexed)
+    state.commit(store, obj, key, request_id, indexed)
     return _error(422, "invalid_request_error", message, code=code, **{noun: obj["id"]})
 
 
 def _make(state: TripState, store: Store, obj: dict[str, Any], status: str, key: str | None,
-          request_id: str, **indexed: str | None) -> Answer:
+          request_id: str, indexed: Mapping[str, str | None]) -> Answer:
     obj.update(status=status, history=[_history(status, state.now_s(), key)])
-    state.commit(store, obj, key, request_id, **indexed)
+    state.commit(store, obj, key, request_id, indexed)
     return 200, copy.deepcopy(obj)
 
 
@@ -499,9 +499,9 @@ def _hold(state: TripState, params: Mapping[str, Any], match: Mapping[str, str],
         "created": int(state.now_s()), "release_keys": []}
     indexed = {"key": metadata.get(METADATA_KEY)}
     if action.decline:
-        return _refuse(state, "holds", obj, key, request_id, "no_seats",
-                       f"No seats left on flight {params['flight']}.", "hold", **indexed)
-    return _make(state, "holds", obj, "held", key, request_id, **indexed)
+        return _refuse(state, "holds", obj, key, request_id, indexed, "no_seats",
+                       f"No seats left on flight {params['flight']}.", "hold")
+    return _make(state, "holds", obj, "held", key, request_id, indexed)
 
 
 def _book(state: TripState, params: Mapping[str, Any], match: Mapping[str, str],
@@ -513,10 +513,10 @@ def _book(state: TripState, params: Mapping[str, Any], match: Mapping[str, str],
         "created": int(state.now_s()), "cancel_keys": []}
     indexed = {"key": metadata.get(METADATA_KEY)}
     if action.decline or params["hotel"] in state.full_hotels:
-        return _refuse(state, "bookings", obj, key, request_id, "no_availability",
+        return _refuse(state, "bookings", obj, key, request_id, indexed, "no_availability",
                        f"Hotel {params['hotel']} has no room available for these nights.",
-                       "booking", **indexed)
-    return _make(state, "bookings", obj, "confirmed", key, request_id, **indexed)
+                       "booking")
+    return _make(state, "bookings", obj, "confirmed", key, request_id, indexed)
 
 
 def _send(state: TripState, params: Mapping[str, Any], match: Mapping[str, str],
@@ -526,11 +526,11 @@ def _send(state: TripState, params: Mapping[str, Any], match: Mapping[str, str],
         "id": _new_id("msg"), "object": "email", "message_id": message_id, "to": params["to"],
         "subject": params["subject"], "body": params.get("body", ""),
         "created": int(state.now_s())}
+    indexed = {"message_id": message_id}
     if action.decline or params["to"].lower().endswith(BOUNCE_DOMAIN):
-        return _refuse(state, "emails", obj, key, request_id, "invalid_recipient",
-                       f"The recipient {params['to']} does not accept mail.", "email",
-                       message_id=message_id)
-    return _make(state, "emails", obj, "sent", key, request_id, message_id=message_id)
+        return _refuse(state, "emails", obj, key, request_id, indexed, "invalid_recipient",
+                       f"The recipient {params['to']} does not accept mail.", "email")
+    return _make(state, "emails", obj, "sent", key, request_id, indexed)
 
 
 def _undo(store: Store, param: str, done: str, keys_field: str, index_name: str, code: str,
