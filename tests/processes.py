@@ -278,7 +278,7 @@ async def journal_now(settings: KafkaSettings) -> list[Event]:
 # --- the cluster of one test ---------------------------------------------------------------------
 
 
-def renewal_request(task_id: str, *, invoice: str = "INV-2291", customer: str = "cus_8812",
+def renewal_request(task_id: str, *, invoice: str | None = None, customer: str = "cus_8812",
                     amount_cents: int = 4900, reask: bool = True) -> TaskRequested:
     """The renewal of `halfway.demo.renewal`: one charge, then finish.
 
@@ -286,6 +286,8 @@ def renewal_request(task_id: str, *, invoice: str = "INV-2291", customer: str = 
     second time, which the tool refuses: the decider then finishes the task `failed`, so a
     second question shows in the journal and in the ledger (no charge). Without it the model
     answers the same way every time."""
+    # Each task its own invoice unless told: an invoice is charged once (the subject guard).
+    invoice = invoice or f"INV-{task_id}"
     charge = {"invoice": invoice, "customer": customer, "amount_cents": amount_cents,
               "currency": "usd"}
     step: dict[str, Any] = {"tool": "charge_customer", "args": charge}
@@ -307,6 +309,7 @@ class Cluster:
     workdir: Path
     charge_timeout_s: float = 1.0
     sim_url: str = ""
+    tripsim_url: str = ""
     gateway_url: str = ""
     procs: list[Proc] = field(default_factory=list)
     watcher: JournalWatcher | None = None
@@ -327,6 +330,8 @@ class Cluster:
         out |= {
             "HALFWAY_TOPIC_PREFIX": self.settings.topic_prefix,
             "HALFWAY_PAYSIM_URL": self.sim_url,
+            "HALFWAY_TRIPSIM_URL": self.tripsim_url,
+            "HALFWAY_TRAVEL_TIMEOUT_S": str(self.charge_timeout_s),
             "HALFWAY_CHARGE_TIMEOUT_S": str(self.charge_timeout_s),
             "HALFWAY_MODEL_CALL_LOG": str(self.model_call_log),
             "HALFWAY_LOG_FORMAT": "json",
@@ -366,17 +371,26 @@ class Cluster:
         return self.gateway_url
 
     async def start_simulator(self, *args: str) -> str:
-        proc = await self._spawn("paysim", ["-m", "halfway.simulators.payments", "--port", "0",
-                                            *args], self.env(), stdout=asyncio.subprocess.PIPE)
+        self.sim_url = await self._start_listener("paysim", "halfway.simulators.payments", args)
+        return self.sim_url
+
+    async def start_tripsim(self, *args: str) -> str:
+        """The flight, hotel and email providers (`halfway.simulators.travel`)."""
+        self.tripsim_url = await self._start_listener("tripsim", "halfway.simulators.travel",
+                                                      args)
+        return self.tripsim_url
+
+    async def _start_listener(self, name: str, module: str, args: tuple[str, ...]) -> str:
+        proc = await self._spawn(name, ["-m", module, "--port", "0", *args], self.env(),
+                                 stdout=asyncio.subprocess.PIPE)
         assert proc.process.stdout is not None
         try:
             line = await asyncio.wait_for(proc.process.stdout.readline(), START_TIMEOUT_S)
         except TimeoutError:
-            raise AssertionError("the simulator did not start\n" + proc.tail()) from None
+            raise AssertionError(f"{name} did not start\n" + proc.tail()) from None
         text = line.decode().strip()
         assert text.startswith("listening on http://"), f"{text!r}\n{proc.tail()}"
-        self.sim_url = text.removeprefix("listening on ")
-        return self.sim_url
+        return text.removeprefix("listening on ")
 
     async def start(self, service: str, **extra_env: str) -> Proc:
         """`halfway run decider|executor` as its own process."""
@@ -410,6 +424,21 @@ class Cluster:
 
     async def ledger(self) -> list[dict[str, Any]]:
         return await ledger(self.sim_url)
+
+    async def trip(self, method: str, path: str, body: Any = None) -> Any:
+        """A request to tripsim (faults, ledger, clock)."""
+        async with httpx.AsyncClient(base_url=self.tripsim_url,
+                                     timeout=HTTP_TIMEOUT_S) as client:
+            response = await client.request(method, path, json=body)
+            response.raise_for_status()
+            return response.json()
+
+    async def trip_faults(self, *rules: dict[str, Any]) -> None:
+        await self.trip("POST", "/_sim/faults", {"rules": list(rules)})
+
+    async def trip_ledger(self) -> dict[str, Any]:
+        """{"holds", "bookings", "emails", "refused"}: tripsim's ground truth."""
+        return await self.trip("GET", "/_sim/ledger")
 
     async def sim_requests(self) -> list[dict[str, Any]]:
         return (await self._sim("GET", "/_sim/requests"))["requests"]
@@ -456,7 +485,8 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def cluster(base: KafkaSettings, workdir: Path, *, charge_timeout_s: float = 1.0,
-                  sim_args: tuple[str, ...] = (), webhooks: bool = False) -> Any:
+                  sim_args: tuple[str, ...] = (), webhooks: bool = False,
+                  tripsim: bool = False) -> Any:
     """A fresh prefix with its topics, a simulator, a writer for requests and a watcher."""
     settings = KafkaSettings(bootstrap=base.bootstrap,
                              topic_prefix=f"core-{uuid.uuid4().hex[:8]}.",
@@ -471,6 +501,8 @@ async def cluster(base: KafkaSettings, workdir: Path, *, charge_timeout_s: float
         if webhooks:  # the provider signs and sends webhooks to our gateway
             sim_args = (*sim_args, "--webhook-url", await out.start_gateway())
         await out.start_simulator(*sim_args)
+        if tripsim:
+            await out.start_tripsim()
         yield out
     finally:
         await out.close()

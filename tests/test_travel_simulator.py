@@ -247,6 +247,9 @@ async def test_a_release_is_found_by_its_own_key_and_a_fault_can_target_it(
     result = await adapter.call(release, _ctx(undo_key))
     assert isinstance(result, Replied)
     assert result.status == 500
+    replay = await sim.post(f"/flights/holds/{hold_id}/release",
+                            headers={"Idempotency-Key": undo_key})
+    assert (replay.status_code, replay.headers["Idempotent-Replayed"]) == (500, "true")
 
     found = await adapter.lookup(release, _ctx(undo_key))
     assert found == Found({"hold_id": hold_id, "status": "released", "provider": "tripsim"})
@@ -258,8 +261,8 @@ async def test_a_release_is_found_by_its_own_key_and_a_fault_can_target_it(
     assert (unknown.status, unknown.code) == (404, "resource_missing")
     logged = (await sim.get("/_sim/requests")).json()["requests"]
     assert [(r["endpoint"], r["endpoint_number"], r["status"]) for r in logged] == [
-        ("flights.hold", 1, 200), ("flights.release", 1, 500), ("flights.release", 2, 200),
-        ("flights.release", 3, 404)]
+        ("flights.hold", 1, 200), ("flights.release", 1, 500), ("flights.release", 2, 500),
+        ("flights.release", 3, 200), ("flights.release", 4, 404)]
 
 
 async def test_an_expired_key_is_a_new_request_and_the_lookup_shows_the_duplicate(

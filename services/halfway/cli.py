@@ -60,16 +60,25 @@ def topics() -> None:
 
 class Demo(StrEnum):
     RENEWAL = "renewal"
+    TRIP = "trip"
     JOURNAL = "journal"
 
 
 @app.command()
 def demo(name: Annotated[Demo, typer.Argument()] = Demo.RENEWAL,
          as_json: Annotated[bool, typer.Option("--json", help="one JSON object")] = False) -> None:
-    """Run a demo against the real broker: the renewal (default), or the journal tour."""
+    """Run a demo against the real broker: the renewal (default), the trip saga, or the
+    journal tour."""
     log.configure(level="WARNING")
     settings = KafkaSettings.from_env()
-    if name is Demo.JOURNAL:
+    if name is Demo.TRIP:
+        from halfway.demo import trip
+
+        result = asyncio.run(trip.run(settings))
+        typer.echo(json.dumps(trip.as_json(result), default=str) if as_json
+                   else trip.as_text(result))
+        ok = trip.verdict_ok(result)
+    elif name is Demo.JOURNAL:
         from halfway.demo import journal_tour
 
         result = asyncio.run(journal_tour.run(settings))
@@ -138,6 +147,35 @@ def sim(port: Annotated[int, typer.Option(help="0 picks a free port")] = 18080,
         args += ["--webhook-url", webhook_url,
                  "--webhook-secret", settings.paysim_webhook_secret()]
     raise typer.Exit(payments.main(args))
+
+
+@app.command()
+def tripsim(port: Annotated[int, typer.Option(help="0 picks a free port")] = 18081,
+            host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+            key_ttl_s: Annotated[float, typer.Option(help="how long keys are remembered")
+                                 ] = 86400.0) -> None:
+    """Run the flight, hotel and email provider simulator until stopped."""
+    from halfway.simulators import travel
+
+    raise typer.Exit(travel.main(["--host", host, "--port", str(port),
+                                  "--key-ttl-s", str(key_ttl_s)]))
+
+
+@app.command()
+def abort(task: Annotated[str, typer.Argument(help="the task id")],
+          reason: Annotated[str, typer.Option(help="why, in words the journal keeps")],
+          by: Annotated[str, typer.Option(help="who calls it off")] = "operator") -> None:
+    """Call a task off: no new step is decided, steps in flight settle, and a saga undoes
+    what is proven done (last first)."""
+    from halfway.resolve import ResolveRefused, abort_task
+
+    log.configure(level="WARNING")
+    try:
+        event = asyncio.run(abort_task(KafkaSettings.from_env(), task, reason=reason, by=by))
+    except ResolveRefused as exc:
+        typer.echo(f"refused: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"{task}: called off by {event.by}: {event.reason}")
 
 
 class Verdict(StrEnum):

@@ -34,6 +34,27 @@ def step_line(step: StepState) -> str:
             return f"decided, not yet attempted: {what} {ref}"
 
 
+def undo_line(step: StepState) -> str | None:
+    """The compensation of a step, in the same three states; None if it has none."""
+    plan, undo = step.compensation, step.undo
+    if plan is None:
+        return None
+    what = f"undo of {step.step_id} by {plan.tool}"
+    ref = f"(reference {plan.key})"
+    match undo.status:
+        case StepStatus.DONE:
+            return f"undone: {what} {ref}; evidence {_evidence(undo.settlement.evidence)}"
+        case StepStatus.NOT_DONE:
+            return f"undo not done: {what} {ref}; {undo.settlement.reason}"
+        case StepStatus.UNKNOWN:
+            reason = undo.settlement.reason if undo.settlement else "no reply"
+            return f"undo unknown, being checked: {what} {ref}; {reason}"
+        case StepStatus.IN_FLIGHT:
+            return f"undo in flight: {what} {ref}; attempt {undo.attempts[-1].attempt}"
+        case StepStatus.INTENDED:
+            return f"undo decided, not yet attempted: {what} {ref}"
+
+
 def _evidence(evidence: dict[str, Any] | None) -> str:
     return ", ".join(f"{k}={v}" for k, v in (evidence or {}).items())
 

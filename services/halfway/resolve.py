@@ -1,5 +1,7 @@
 """Operator resolution: a person settles a step the harness could not.
 
+Also `halfway abort TASK --reason …`: a caller or operator calls a task off.
+
 `halfway resolve STEP done --evidence charge_id=ch_… --by alice` or
 `halfway resolve STEP not_done --reason "the bank confirmed no payment" --by alice` journals
 `step.settled` with source `operator`; the decider then moves the task on. It refuses to settle
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from halfway.contract import Outcome, SettlementSource, StepSettled, parse_step_id
+from halfway.contract import Outcome, SettlementSource, StepSettled, TaskAborted, parse_step_id
 from halfway.journal import JournalWriter
 from halfway.journal.records import stamp
 from halfway.journal.replay import task_state
@@ -46,6 +48,23 @@ async def resolve(settings: KafkaSettings, step_id: str, outcome: Outcome, *,
         **stamp(task_id), step_id=step_id, outcome=outcome, source=SettlementSource.OPERATOR,
         evidence={**evidence, "resolved_by": by} if evidence else None,
         reason=f"{reason} (resolved by {by})" if reason else None)
+    async with JournalWriter(settings) as writer:
+        await writer.append(event)
+    return event
+
+
+async def abort_task(settings: KafkaSettings, task_id: str, *, reason: str,
+                     by: str) -> TaskAborted:
+    """Journal `task.aborted`: no new step is decided; a saga undoes what is proven done."""
+    state = await task_state(settings, task_id)
+    if state.started is None:
+        raise ResolveRefused(f"task {task_id} has not started (nothing in the journal)")
+    if state.finished is not None:
+        raise ResolveRefused(f"task {task_id} already finished {state.finished.state}")
+    if state.aborted is not None:
+        raise ResolveRefused(f"task {task_id} was already called off by {state.aborted.by}: "
+                             f"{state.aborted.reason}")
+    event = TaskAborted(**stamp(task_id), reason=reason, by=by)
     async with JournalWriter(settings) as writer:
         await writer.append(event)
     return event

@@ -90,6 +90,16 @@ def paysim_url() -> str:
     return os.environ.get("HALFWAY_PAYSIM_URL", f"http://{HOST}:18080")
 
 
+def tripsim_url() -> str:
+    """The flight, hotel and email providers the travel tools talk to (the simulator)."""
+    return os.environ.get("HALFWAY_TRIPSIM_URL", f"http://{HOST}:18081")
+
+
+def travel_timeout_s() -> float:
+    """How long one flight, hotel or email attempt may take before its outcome is unknown."""
+    return float(os.environ.get("HALFWAY_TRAVEL_TIMEOUT_S", "5"))
+
+
 def charge_timeout_s() -> float:
     """How long one charge attempt may take before its outcome is unknown."""
     return float(os.environ.get("HALFWAY_CHARGE_TIMEOUT_S", "5"))

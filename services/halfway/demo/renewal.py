@@ -59,24 +59,25 @@ class Harness:
 
 
 def renewal_request(task_id: str) -> TaskRequested:
-    charge = {"invoice": "INV-2291", "customer": "cus_8812", "amount_cents": 4900,
+    # One invoice per run: an invoice is charged once, and the demo may run again.
+    invoice = f"INV-2291-{task_id.rsplit('-', 1)[-1]}"
+    charge = {"invoice": invoice, "customer": "cus_8812", "amount_cents": 4900,
               "currency": "usd"}
     return TaskRequested(
         event_id=uuid.uuid4().hex, task_id=task_id, at=datetime.now(UTC),
         # A real model asked again would not say the same thing: "49.00" instead of 4900.
         input={"script": [{"tool": "charge_customer", "args": charge,
                            "reask_args": {"amount_cents": "49.00"}}],
-               "summary": "renewed the subscription: $49.00 charged for invoice INV-2291"},
+               "summary": f"renewed the subscription: $49.00 charged for invoice {invoice}"},
         allowed_tools=["charge_customer"],
     )
 
 
 @contextlib.asynccontextmanager
-async def simulator() -> Any:
-    """The payment provider simulator as its own process; yields its URL."""
+async def simulator(module: str = "halfway.simulators.payments") -> Any:
+    """A provider simulator (payments by default) as its own process; yields its URL."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "halfway.simulators.payments", "--port", "0",
-        stdout=asyncio.subprocess.PIPE)
+        sys.executable, "-m", module, "--port", "0", stdout=asyncio.subprocess.PIPE)
     try:
         assert proc.stdout is not None
         async with asyncio.timeout(SIM_START_TIMEOUT_S):

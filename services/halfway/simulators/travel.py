@@ -623,7 +623,7 @@ async def _answer(request: web.Request, state: TripState, write: _Write, key: st
     """Layers 2 to 6 of the theory of operation: (status, body, replayed)."""
     if action.status == 429:
         await asyncio.sleep(action.delay_s)
-        return (*_error(429, "rate_limit_error", "Too many requests; back off and retry.",
+        return (*_error(429, "invalid_request_error", "Too many requests; back off and retry.",
                         code="rate_limit"), False)
     if key is not None and not 1 <= len(key) <= KEY_CHARS_MAX:
         return (*_invalid(f"Idempotency keys are 1 to {KEY_CHARS_MAX} characters long.",

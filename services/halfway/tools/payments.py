@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from halfway.contract import EffectClass
+from halfway.contract import EffectClass, SagaRole
 from halfway.core.classify import ConnectionLost, NotSent, Replied, TimedOut, Unexpected
 from halfway.tools.spec import (
     CallContext,
@@ -83,6 +83,10 @@ def charge_customer_spec(timeout_s: float = 5.0, key_ttl_s: float = 86_400.0) ->
         subject=charge_subject,
         key_ttl_s=key_ttl_s,
         has_lookup=True,
+        # In a saga the charge is the point of no return (a refund is a new effect, not an
+        # undo), and an invoice is paid once: a done charge is never repeated, by any task.
+        saga_role=SagaRole.PIVOT,
+        once_per_subject=True,
     )
 
 

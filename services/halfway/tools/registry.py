@@ -26,6 +26,13 @@ class Registry:
     def get(self, name: str) -> Tool | None:
         return self._tools.get(name)
 
+    def check_undos(self) -> None:
+        """Every declared undo names a tool of this registry: a saga must be able to run it."""
+        missing = [f"{t.spec.name} -> {t.spec.undo.tool}" for t in self._tools.values()
+                   if t.spec.undo is not None and t.spec.undo.tool not in self._tools]
+        if missing:
+            raise ValueError(f"undo tools missing from the registry: {', '.join(missing)}")
+
     def infos(self) -> list[ToolInfo]:
         return [ToolInfo(t.spec.name, t.spec.description, t.spec.args_model.model_json_schema())
                 for t in self._tools.values()]
@@ -38,9 +45,15 @@ class Registry:
 
 
 def default_registry() -> Registry:
-    """The tools of this deployment, configured from the environment."""
+    """The tools of this deployment, configured from the environment: the payment tool and
+    the travel tools (flight hold, hotel booking, email; each undo is a tool too)."""
     from halfway.tools.payments import PaymentsAdapter, charge_customer_spec
+    from halfway.tools.travel import travel_tools
 
     spec = charge_customer_spec(timeout_s=settings.charge_timeout_s(),
                                 key_ttl_s=settings.charge_key_ttl_s())
-    return Registry([Tool(spec, PaymentsAdapter(settings.paysim_url()))])
+    travel = travel_tools(settings.tripsim_url(), timeout_s=settings.travel_timeout_s())
+    registry = Registry([Tool(spec, PaymentsAdapter(settings.paysim_url())),
+                         *(Tool(s, a) for s, a in travel)])
+    registry.check_undos()
+    return registry
