@@ -272,3 +272,11 @@ def test_a_redelivered_orphan_is_kept_once() -> None:
     attempt = s.attempted(1, 1)
     state = fold([s.started(), attempt, attempt])
     assert state.orphans == (attempt,)
+
+
+def test_a_refusal_repeated_word_for_word_still_counts() -> None:
+    # A model that proposes the same thing again is refused again; the count must grow, or
+    # the decider would ask forever.
+    s = Stamper("renewal-8812")
+    state = fold([s.started(), s.refused(1), s.refused(1), s.refused(1)])
+    assert len(state.refused(1)) == 3

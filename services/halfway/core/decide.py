@@ -140,15 +140,21 @@ def decide(state: TaskState, *, known_tools: set[str], requested: bool,
         return Finish(FinalState.FAILED,
                       f"aborted by {state.aborted.by}: {state.aborted.reason}")
     policy = state.started.policy
-    if policy.deadline is not None and now >= policy.deadline:
-        return Finish(FinalState.FAILED, f"the deadline {policy.deadline:%Y-%m-%d %H:%M}Z passed")
-    if len(state.steps) >= policy.max_steps:
-        return Finish(FinalState.FAILED, f"reached the limit of {policy.max_steps} steps")
     n = state.next_step_n
     refused = state.refused(n)
-    if len(refused) >= REFUSALS_MAX:
-        return Finish(FinalState.FAILED, f"the model's proposals for step {n} were refused "
-                      f"{len(refused)} times; the last: {refused[-1].reason}")
+    give_up = None
+    if policy.deadline is not None and now >= policy.deadline:
+        give_up = f"the deadline {policy.deadline:%Y-%m-%d %H:%M}Z passed"
+    elif len(state.steps) >= policy.max_steps:
+        give_up = f"reached the limit of {policy.max_steps} steps"
+    elif len(refused) >= REFUSALS_MAX:
+        give_up = (f"the model's proposals for step {n} were refused {len(refused)} times; "
+                   f"the last: {refused[-1].reason}")
+    if give_up is not None:
+        # A saga before its pivot is called off (and undone); anything else just fails.
+        if policy.saga and not saga.past_pivot(state):
+            return Abort(give_up)
+        return Finish(FinalState.FAILED, give_up)
     return Ask(n)
 
 

@@ -279,8 +279,10 @@ def apply(state: TaskState, event: Event) -> TaskState:
             state = replace(state, steps=MappingProxyType(steps))
             return _adopt_orphans(state, event.n)
         case StepRefused():
-            if event.n in state.steps or any(_same_fact(r, event) for r in state.refusals):
-                return state  # too late to matter, or the same refusal written twice
+            if event.n in state.steps:
+                return state  # too late to matter
+            # Every refusal counts, even one that repeats an earlier one word for word: a
+            # model that keeps proposing the same thing must run into REFUSALS_MAX.
             return replace(state, refusals=(*state.refusals, event))
         case StepAttempted() | StepSettled() | StepChecked() | CompensationIntended() | \
                 CompensationAttempted() | CompensationSettled() | CompensationChecked():
