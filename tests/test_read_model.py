@@ -1,4 +1,5 @@
-"""After the renewal demo, the read model equals a fresh replay of the topics, row for row."""
+"""After the renewal and trip demos, the read model equals a fresh replay of the topics, row
+for row."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 from halfway import settings as env
 from halfway.api import queries
 from halfway.api.status import status_table
-from halfway.demo import renewal
+from halfway.demo import renewal, trip
 from halfway.projector.rebuild import rebuild
 from halfway.settings import KafkaSettings
 from tests.test_projector import pg, schema  # noqa: F401  (the projector tests' fixtures)
@@ -15,7 +16,7 @@ from tests.test_projector import pg, schema  # noqa: F401  (the projector tests'
 pytestmark = pytest.mark.broker
 
 
-async def test_after_the_renewal_demo_the_read_model_equals_a_fresh_replay(
+async def test_after_the_demos_the_read_model_equals_a_fresh_replay(
         topics: KafkaSettings, pg, schema: str,  # noqa: F811
         monkeypatch: pytest.MonkeyPatch) -> None:
     # The demo runs its own projector into the read model named by HALFWAY_PG_SCHEMA.
@@ -23,6 +24,9 @@ async def test_after_the_renewal_demo_the_read_model_equals_a_fresh_replay(
     ours, naive = await renewal.run(topics)
     assert (ours.charges, naive.charges) == (1, 2)
     assert ours.read_model_state == "succeeded"
+
+    trips = await trip.run(topics)
+    assert trip.verdict_ok(trips), trip.as_text(trips)
 
     report = await rebuild(topics, env.pg_dsn(), check_only=True, live=schema)
     assert report.live_existed
@@ -37,3 +41,13 @@ async def test_after_the_renewal_demo_the_read_model_equals_a_fresh_replay(
     assert ours.steps[0]["evidence"]["charge_id"] in table
     assert "failed" not in table
     assert ours.status_table in renewal.as_text(ours, naive)  # the demo printed it
+
+    # The trip whose hotel was full: compensated, its hold's undo done, in three states.
+    full = trips.trips[1]
+    found = await queries.get_task(pg, schema, full.task_id)
+    assert found is not None
+    assert found["final_state"] == "compensated"
+    table = status_table(found)
+    assert "not done" in table
+    assert "step 1 undo: done" in table
+    assert full.status_table in trip.as_text(trips)

@@ -12,6 +12,8 @@ paysim as child processes, judged by the journal and the providers' own ledgers.
 
 from __future__ import annotations
 
+import asyncio
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -307,3 +309,32 @@ async def test_two_tasks_racing_for_one_invoice_on_two_deciders_charge_it_once(
     assert not [e for e in log if isinstance(e, StepIntended) and e.task_id == later]
     assert len([c for c in await trip.ledger()
                 if (c.get("metadata") or {}).get("invoice") == invoice]) == 1
+
+
+async def test_an_aborted_trip_settles_its_step_in_flight_then_undoes_what_was_done(
+        slow_trip: Cluster) -> None:
+    c = slow_trip
+    task_id = new_id("trip-abort")
+    # The booking takes 2 s: the operator calls the trip off while it is in flight.
+    await c.trip_faults({"match": {"endpoint": "hotels.book"}, "action": {"delay_s": 2.0}})
+    await start_services(c)
+    await c.publish(trip_request(task_id))
+    await c.journal.first(lambda e: getattr(e, "step_id", None) == f"{task_id}:2"
+                          and e.type == "step.attempted", "the booking attempted")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "halfway.cli", "abort", task_id, "--reason",
+        "the customer cancelled", "--by", "alice", env=c.env(),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    assert out.decode().strip() == f"{task_id}: called off by alice: the customer cancelled"
+    state = (await c.journal.until_finished([task_id]))[task_id]
+
+    assert state.final_state is FinalState.COMPENSATED, state.finished
+    assert state.finished.summary.startswith("aborted by alice: the customer cancelled")
+    assert 3 not in state.steps  # nothing decided after the call-off
+    assert [state.steps[n].undo.outcome for n in (1, 2)] == [Outcome.DONE, Outcome.DONE]
+    done = await effects(c, task_id)
+    assert statuses(done["bookings"]) == ["cancelled"]
+    assert statuses(done["holds"]) == ["released"]
+    assert done["charges"] == done["emails"] == []
