@@ -172,11 +172,7 @@ class Decider:
                              proposal.args)
         decided_by = DecidedBy(model=self.model.name, version=self.model.version)
         if isinstance(fields, Refused):
-            # Nothing is placed. The refusal is journaled so the model, asked again, reads why.
-            await self._write(StepRefused(**stamp(task_id), n=n, tool=proposal.tool,
-                                          args=proposal.args, reason=fields.reason,
-                                          decided_by=decided_by))
-            self._log.warning("proposal refused", reason=fields.reason)
+            await self._refuse(task_id, n, proposal, fields.reason, decided_by)
             return
         if fields["subject"] is not None and fields["effect_class"] is not EffectClass.READ:
             assert tool is not None
@@ -185,16 +181,19 @@ class Decider:
                                    step_id=fields["step_id"], task_id=task_id,
                                    once_per_subject=tool.spec.once_per_subject)
             verdict = await self.guards.claim(claim)
-            if isinstance(verdict, Blocked):
-                # Written as a refusal: the model reads why, and may wait or do otherwise.
-                await self._write(StepRefused(**stamp(task_id), n=n, tool=proposal.tool,
-                                              args=proposal.args, reason=verdict.reason,
-                                              decided_by=decided_by))
-                self._log.warning("blocked by the subject guard", reason=verdict.reason)
+            if isinstance(verdict, Blocked):  # the model reads why, and may wait or do otherwise
+                await self._refuse(task_id, n, proposal, verdict.reason, decided_by)
                 return
         intent = StepIntended(**stamp(task_id), **fields, decided_by=decided_by)
         await self._write(intent)
         self._log.info("step decided", tool=intent.tool, key=intent.key)
+
+    async def _refuse(self, task_id: str, n: int, proposal: Any, reason: str,
+                      decided_by: DecidedBy) -> None:
+        """Nothing is placed. The refusal is journaled so the model, asked again, reads why."""
+        await self._write(StepRefused(**stamp(task_id), n=n, tool=proposal.tool,
+                                      args=proposal.args, reason=reason, decided_by=decided_by))
+        self._log.warning("proposal refused", reason=reason)
 
     async def _release_claims(self, state: TaskState) -> None:
         """Release the guard claims of this task's steps that settled or never became steps."""

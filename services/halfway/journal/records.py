@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import base64
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from aiokafka.structs import ConsumerRecord
 from pydantic import ValidationError
@@ -68,29 +69,32 @@ def decode(record: ConsumerRecord) -> Event:
 
 def decode_webhook(record: ConsumerRecord) -> WebhookReceived:
     """The verified webhook a record of the webhooks topic holds, or InvalidRecord."""
-    if record.value is None:
-        raise InvalidRecord("the record has no value (a tombstone)")
-    try:
-        hook = parse_webhook(record.value)
-    except ValidationError as exc:
-        raise InvalidRecord(_describe(exc)) from exc
-    if record.key is not None and record.key != hook.record_key():
-        raise InvalidRecord(f"record key {record.key!r} is not the webhook's {hook.record_key()!r}")
-    return hook
+    return _decode_keyed(record, parse_webhook, "the webhook's")
 
 
 def decode_guard(record: ConsumerRecord) -> GuardRecord:
-    """The claim or release a record of the guards topic holds, or InvalidRecord."""
+    """The claim or release a record of the guards topic holds, or InvalidRecord. Claims on one
+    subject must share a partition, or the log cannot order them: the key must be the subject."""
+    return _decode_keyed(record, parse_guard_record, "the subject's")
+
+
+class _KeyedRecord(Protocol):
+    def record_key(self) -> bytes: ...
+
+
+R = TypeVar("R", bound=_KeyedRecord)
+
+
+def _decode_keyed(record: ConsumerRecord, parse: Callable[[bytes], R], whose: str) -> R:
     if record.value is None:
         raise InvalidRecord("the record has no value (a tombstone)")
     try:
-        guard = parse_guard_record(record.value)
+        out = parse(record.value)
     except ValidationError as exc:
         raise InvalidRecord(_describe(exc)) from exc
-    if record.key is not None and record.key != guard.record_key():
-        # Claims on one subject must share a partition, or the log cannot order them.
-        raise InvalidRecord(f"record key {record.key!r} is not the subject {guard.subject!r}")
-    return guard
+    if record.key is not None and record.key != out.record_key():
+        raise InvalidRecord(f"record key {record.key!r} is not {whose} {out.record_key()!r}")
+    return out
 
 
 def _describe(exc: ValidationError) -> str:
