@@ -87,19 +87,13 @@ webhooks, search lag, Resend's 409 codes, SES replacing our Message-ID.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import copy
-import hashlib
 import json
 import random
 import re
 import secrets
-import signal
-import socket
 import sys
-import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -107,66 +101,57 @@ from typing import Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from halfway.simulators.payments import NO_FAULT, FaultAction, FaultMatch
+from halfway.simulators import keyed
+from halfway.simulators.keyed import (
+    METADATA_KEY_CHARS_MAX,
+    METADATA_KEYS_MAX,
+    METADATA_VALUE_CHARS_MAX,
+    RULES_MAX,
+    Answer,
+    BadBody,
+    FaultAction,
+)
+from halfway.simulators.keyed import error as _error
+from halfway.simulators.keyed import new_id as _new_id
+from halfway.simulators.keyed import reply as _reply
 
-HOST = "127.0.0.1"
 PROVIDER = "tripsim"
-KEY_TTL_S_DEFAULT = 86_400.0  # Stripe v1 and Resend both keep keys 24 h
-KEY_CHARS_MAX = 255
-STORE_ENTRIES_MAX = 100_000  # keys, records (all providers together) and logged writes, each
-IN_FLIGHT_MAX = 10_000  # executions at once
-RULES_MAX = 100
-CLOCK_ADVANCE_S_MAX = 10 * 365 * 86_400.0
-BODY_BYTES_MAX = 64 * 1024
 TEXT_CHARS_MAX = 500  # flight, passenger, hotel, guest, e-mail subject
 EMAIL_BODY_CHARS_MAX = 32 * 1024
 NIGHTS_MAX = 365
-LIST_LIMIT_DEFAULT = 10
-LIST_LIMIT_MAX = 100
-METADATA_KEYS_MAX = 50  # Stripe's metadata limits
-METADATA_KEY_CHARS_MAX = 40
-METADATA_VALUE_CHARS_MAX = 500
 METADATA_KEY = "halfway_key"  # the metadata entry that carries the creator's key
 FULL_HOTELS_DEFAULT = frozenset({"HTL-FULL"})
 FULL_HOTELS_MAX = 1_000
 BOUNCE_DOMAIN = "@bounce.invalid"  # mail to an address here is refused
 DRAIN_TIMEOUT_S = 60.0  # POST /_sim/drain waits at most this long, then says what is in flight
-SHUTDOWN_TIMEOUT_S = 2.0  # a stopping simulator does not wait for slow (delayed) requests
-BACKLOG = 1024
 
 EndpointName = Literal["flights.hold", "flights.release", "hotels.book", "hotels.cancel",
                        "email.send"]
 _ADDRESS = re.compile(r"[^@\s<>]+@[^@\s<>]+\.[^@\s<>]+")
 
-# --- fault rules (the JSON body of POST /_sim/faults) -------------------------------------------
+# --- fault rules (the JSON body of POST /_sim/faults) --------------------------------------------
 
 
-class TripFaultMatch(FaultMatch):
+class TripFaultMatch(keyed.FaultMatch):
     """paysim's conditions plus `endpoint`. With `endpoint`, `nth` and `every` count the writes
     to that endpoint; without it, all writes."""
 
     endpoint: EndpointName | None = None
 
-    def hits_write(self, endpoint: str, number: int, endpoint_number: int, key: str | None,
-                   rng: random.Random) -> bool:
+    def hits(self, arrival: keyed.Arrival, rng: random.Random) -> bool:
+        number = arrival.number
         if self.endpoint is not None:
-            if endpoint != self.endpoint:
+            if arrival.endpoint != self.endpoint:
                 return False
-            number = endpoint_number
-        return self.hits(number, key, rng)
+            number = arrival.endpoint_number
+        return self.hits_number(number, arrival.key, rng)
 
 
-class TripFaultRule(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class TripFaultRule(keyed.FaultRule):
     match: TripFaultMatch = Field(default_factory=TripFaultMatch)
-    times: int | None = Field(default=None, ge=1)  # None: for as long as the rules stand
-    action: FaultAction
 
 
-class TripFaultRules(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class TripFaultRules(keyed.FaultRules):
     rules: list[TripFaultRule] = Field(max_length=RULES_MAX)
 
 
@@ -174,13 +159,6 @@ class FullHotels(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     hotels: list[str] = Field(max_length=FULL_HOTELS_MAX)
-
-
-@dataclass(slots=True)
-class _ArmedRule:
-    rule: TripFaultRule
-    times_left: int | None
-    rng: random.Random
 
 
 # --- state ---------------------------------------------------------------------------------------
@@ -196,15 +174,6 @@ REFUSED = "refused"
 
 
 @dataclass(slots=True)
-class _KeyEntry:
-    path: str
-    fingerprint: str
-    created_at_s: float
-    status: int | None = None  # None while the first request is still executing
-    body: dict[str, Any] | None = None
-
-
-@dataclass(slots=True)
 class _Record:
     obj: dict[str, Any]  # the public object; an undo changes its status and history
     idempotency_key: str | None  # of the request that made it
@@ -212,59 +181,19 @@ class _Record:
 
 
 @dataclass
-class TripState:
-    """Everything the simulator knows. `POST /_sim/reset` swaps in a new one, so a request still
-    executing from before the reset writes into the old state, never into the new ledger."""
+class TripState(keyed.State):
+    """Everything the simulator knows: the shared keys, rules and request log, and the records.
+    `POST /_sim/reset` swaps in a new one, so a request still executing from before the reset
+    writes into the old state, never into the new ledger."""
 
-    key_ttl_s: float
-    clock_offset_s: float = 0.0
-    # In creation order: the clock only moves forward, so expired keys are always at the front.
-    keys: OrderedDict[str, _KeyEntry] = field(default_factory=OrderedDict)
     records: dict[str, dict[str, _Record]] = field(
         default_factory=lambda: {store: {} for store in STORES})  # insertion order = ledger order
     # (store, field, value) -> record ids, oldest first: key, release_key, cancel_key, message_id
     index: dict[tuple[str, str, str], list[str]] = field(default_factory=dict)
     full_hotels: set[str] = field(default_factory=lambda: set(FULL_HOTELS_DEFAULT))
-    requests: list[dict[str, Any]] = field(default_factory=list)
-    rules: list[_ArmedRule] = field(default_factory=list)
-    writes_since_rules: int = 0
-    writes_by_endpoint: dict[str, int] = field(default_factory=dict)
-    in_flight: int = 0
-    executions: set[asyncio.Task[tuple[int, dict[str, Any]]]] = field(default_factory=set)
-
-    def now_s(self) -> float:
-        return time.time() + self.clock_offset_s
 
     def record_count(self) -> int:
         return sum(len(records) for records in self.records.values())
-
-    def set_rules(self, rules: Sequence[TripFaultRule]) -> None:
-        self.rules = [_ArmedRule(r, r.times, random.Random(r.match.seed)) for r in rules]
-        self.writes_since_rules = 0
-        self.writes_by_endpoint = {}
-
-    def arrive(self, endpoint: str, key: str | None) -> tuple[int, int, FaultAction]:
-        """Number a write (overall, and per endpoint) and consume the first rule it matches."""
-        self.writes_since_rules += 1
-        number = self.writes_since_rules
-        endpoint_number = self.writes_by_endpoint.get(endpoint, 0) + 1
-        self.writes_by_endpoint[endpoint] = endpoint_number
-        for armed in self.rules:
-            if armed.times_left == 0:
-                continue
-            if armed.rule.match.hits_write(endpoint, number, endpoint_number, key, armed.rng):
-                if armed.times_left is not None:
-                    armed.times_left -= 1
-                return number, endpoint_number, armed.rule.action
-        return number, endpoint_number, NO_FAULT
-
-    def forget_expired_keys(self) -> None:
-        now_s = self.now_s()
-        while self.keys:
-            key, entry = next(iter(self.keys.items()))
-            if now_s - entry.created_at_s < self.key_ttl_s:
-                return
-            del self.keys[key]
 
     def commit(self, store: Store, obj: dict[str, Any], key: str | None, request_id: str,
                indexed: Mapping[str, str | None]) -> None:
@@ -284,7 +213,7 @@ class TripState:
 
 
 @dataclass
-class Simulator:
+class Simulator(keyed.Simulator):
     """The app's handle on its state; `state` is replaced on reset (an aiohttp app is frozen)."""
 
     state: TripState
@@ -296,39 +225,8 @@ SIM = web.AppKey("tripsim", Simulator)
 # --- helpers -------------------------------------------------------------------------------------
 
 
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(12)}"
-
-
-def _error(status: int, kind: str, message: str, *, code: str | None = None,
-           param: str | None = None, **extra: Any) -> tuple[int, dict[str, Any]]:
-    """paysim's (Stripe's) error body."""
-    error: dict[str, Any] = {"type": kind, "message": message}
-    if code is not None:
-        error["code"] = code
-    if param is not None:
-        error["param"] = param
-    error.update(extra)
-    return status, {"error": error}
-
-
-def _invalid(message: str, param: str | None = None,
-             code: str | None = None) -> tuple[int, dict[str, Any]]:
+def _invalid(message: str, param: str | None = None, code: str | None = None) -> Answer:
     return _error(400, "invalid_request_error", message, code=code, param=param)
-
-
-def _reply(status: int, body: Mapping[str, Any], request_id: str, *, key: str | None = None,
-           replayed: bool = False) -> web.Response:
-    headers = {"Request-Id": request_id}
-    if key is not None:
-        headers["Idempotency-Key"] = key
-    if replayed:
-        headers["Idempotent-Replayed"] = "true"
-    return web.json_response(body, status=status, headers=headers)
-
-
-class _BadBody(Exception):
-    """The body is not a JSON object (answered 400, unsaved)."""
 
 
 async def _read_params(request: web.Request) -> dict[str, Any]:
@@ -337,31 +235,17 @@ async def _read_params(request: web.Request) -> dict[str, Any]:
     if not raw.strip():
         return {}
     if request.content_type != "application/json":
-        raise _BadBody(f"unsupported content type {request.content_type}: send JSON")
+        raise BadBody(f"unsupported content type {request.content_type}: send JSON")
     try:
         params = json.loads(raw)
     except ValueError as exc:
-        raise _BadBody(f"invalid JSON: {exc}") from exc
+        raise BadBody(f"invalid JSON: {exc}") from exc
     if not isinstance(params, dict):
-        raise _BadBody("the JSON body must be an object")
+        raise BadBody("the JSON body must be an object")
     return params
 
 
-def _fingerprint(method: str, path: str, params: Mapping[str, Any]) -> str:
-    canonical = json.dumps([method, path, params], sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def _limit(request: web.Request) -> int | tuple[int, dict[str, Any]]:
-    raw = request.query.get("limit", str(LIST_LIMIT_DEFAULT))
-    if not raw.isdigit() or not 1 <= int(raw) <= LIST_LIMIT_MAX:
-        return _invalid(f"limit must be an integer from 1 to {LIST_LIMIT_MAX}", "limit")
-    return int(raw)
-
-
 # --- validation (layer 5) ------------------------------------------------------------------------
-
-Answer = tuple[int, dict[str, Any]]
 
 
 def _check_params(params: Mapping[str, Any], allowed: Sequence[str],
@@ -455,8 +339,7 @@ def _valid_undo(store: Store, param: str, noun: str
             return checked
         record = state.records[store].get(match[param])
         if record is None:
-            return _error(404, "invalid_request_error", f"No such {noun}: '{match[param]}'",
-                          code="resource_missing", param="id")
+            return keyed.missing(noun, match[param])
         if record.obj["status"] == REFUSED:
             return _invalid(f"The {noun} '{match[param]}' was refused; there is nothing to undo.",
                             "id", "not_undoable")
@@ -555,174 +438,31 @@ def _undo(store: Store, param: str, done: str, keys_field: str, index_name: str,
     return act
 
 
-@dataclass(frozen=True, slots=True)
-class _Write:
-    """One write endpoint: its name (for fault rules and the request log), validation, act."""
-
-    name: EndpointName
-    validate: Callable[[TripState, Mapping[str, Any], Mapping[str, str]], Answer | None]
-    act: Callable[[TripState, Mapping[str, Any], Mapping[str, str], str | None, FaultAction,
-                   str], Answer]
-
-
-WRITES: dict[EndpointName, _Write] = {w.name: w for w in (
-    _Write("flights.hold", _valid_hold, _hold),
-    _Write("flights.release", _valid_undo("holds", "hold_id", "hold"),
-           _undo("holds", "hold_id", "released", "release_keys", "release_key",
-                 "release_refused", "hold")),
-    _Write("hotels.book", _valid_booking, _book),
-    _Write("hotels.cancel", _valid_undo("bookings", "booking_id", "booking"),
-           _undo("bookings", "booking_id", "cancelled", "cancel_keys", "cancel_key",
-                 "cancellation_refused", "booking")),
-    _Write("email.send", _valid_email, _send),
+WRITES: dict[EndpointName, keyed.Write] = {w.name: w for w in (
+    keyed.Write("flights.hold", _valid_hold, _hold),
+    keyed.Write("flights.release", _valid_undo("holds", "hold_id", "hold"),
+                _undo("holds", "hold_id", "released", "release_keys", "release_key",
+                      "release_refused", "hold")),
+    keyed.Write("hotels.book", _valid_booking, _book),
+    keyed.Write("hotels.cancel", _valid_undo("bookings", "booking_id", "booking"),
+                _undo("bookings", "booking_id", "cancelled", "cancel_keys", "cancel_key",
+                      "cancellation_refused", "booking")),
+    keyed.Write("email.send", _valid_email, _send),
 )}
 
 
-# --- the write path ------------------------------------------------------------------------------
+# --- the write path (layers 1 to 7 are `halfway.simulators.keyed`'s) -----------------------------
 
 
-def _write_handler(write: _Write) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-    async def handle(request: web.Request) -> web.StreamResponse:
-        return await _handle_write(request, write)
-
-    return handle
+def _logged(request: web.Request, arrival: keyed.Arrival) -> dict[str, Any]:
+    return {"endpoint": arrival.endpoint, "path": request.path, "key": arrival.key,
+            "number": arrival.number, "endpoint_number": arrival.endpoint_number}
 
 
-async def _handle_write(request: web.Request, write: _Write) -> web.StreamResponse:
-    state = request.app[SIM].state  # held for the whole request: a reset swaps in a new one
-    request_id = _new_id("req")
-    key = request.headers.get("Idempotency-Key")
-    if key is not None and len(key) >= 2 and key[0] == key[-1] == '"':
-        key = key[1:-1]  # the IETF draft sends an sf-string; most clients send a bare token
-    if len(state.requests) >= STORE_ENTRIES_MAX:
-        status, body = _error(503, "api_error", "simulator request log is full; reset it")
-        return _reply(status, body, request_id)
-
-    number, endpoint_number, action = state.arrive(write.name, key)
-    logged: dict[str, Any] = {"at": state.now_s(), "request_id": request_id,
-                              "endpoint": write.name, "path": request.path, "key": key,
-                              "number": number, "endpoint_number": endpoint_number,
-                              "params": None, "status": None, "replayed": False,
-                              "reply_lost": False,
-                              "fault": action.model_dump(exclude_defaults=True) or None}
-    state.requests.append(logged)
-
-    status, body, replayed = await _answer(request, state, write, key, action, request_id,
-                                           logged)
-    logged["status"], logged["replayed"] = status, replayed
-    if action.lose_reply and request.transport is not None:
-        # Hang up without a byte of response: the client sees the server disconnect.
-        logged["reply_lost"] = True
-        request.transport.close()
-    return _reply(status, body, request_id, key=key, replayed=replayed)
-
-
-async def _answer(request: web.Request, state: TripState, write: _Write, key: str | None,
-                  action: FaultAction, request_id: str,
-                  logged: dict[str, Any]) -> tuple[int, dict[str, Any], bool]:
-    """Layers 2 to 6 of the theory of operation: (status, body, replayed)."""
-    if action.status == 429:
-        await asyncio.sleep(action.delay_s)
-        return (*_error(429, "invalid_request_error", "Too many requests; back off and retry.",
-                        code="rate_limit"), False)
-    if key is not None and not 1 <= len(key) <= KEY_CHARS_MAX:
-        return (*_invalid(f"Idempotency keys are 1 to {KEY_CHARS_MAX} characters long.",
-                          "Idempotency-Key"), False)
-    try:
-        params = await _read_params(request)
-    except _BadBody as exc:
-        return (*_invalid(str(exc)), False)
-    logged["params"] = params
-    # From here to the reservation below nothing awaits, so no other request can slip between
-    # the key check and the reservation.
-    path = request.path
-    fingerprint = _fingerprint(request.method, path, params)
-    entry: _KeyEntry | None = None
-    if key is not None:
-        state.forget_expired_keys()
-        known = state.keys.get(key)
-        if known is not None:
-            return _reused(known, key, path, fingerprint)
-        if len(state.keys) >= STORE_ENTRIES_MAX:
-            return (*_error(503, "api_error", f"simulator key store is full "
-                            f"({STORE_ENTRIES_MAX} keys); retry later or reset"), False)
-    invalid = write.validate(state, params, request.match_info)
-    if invalid is not None:
-        return (*invalid, False)
-    if state.record_count() + state.in_flight >= STORE_ENTRIES_MAX or \
-            state.in_flight >= IN_FLIGHT_MAX:
-        return (*_error(503, "api_error", "simulator records or executions are full; "
-                        "retry later or reset"), False)
-    if key is not None:
-        entry = _KeyEntry(path, fingerprint, state.now_s())
-        state.keys[key] = entry
-    state.in_flight += 1
-    match = dict(request.match_info)
-    execution = asyncio.create_task(
-        _execute(state, write, params, match, key, entry, action, request_id))
-    state.executions.add(execution)  # a strong reference: the loop keeps only weak ones
-    execution.add_done_callback(lambda done: _executed(state, key, entry, done))
-    # Shielded: a client that hangs up or times out does not stop a write that began.
-    status, body = await asyncio.shield(execution)
-    return status, body, False
-
-
-def _reused(known: _KeyEntry, key: str, path: str,
-            fingerprint: str) -> tuple[int, dict[str, Any], bool]:
-    """The idempotency layer's answer to a key it still remembers: (status, body, replayed)."""
-    if known.status is not None and (known.path, known.fingerprint) == (path, fingerprint):
-        assert known.body is not None
-        return known.status, known.body, True
-    if known.path != path:
-        status, body = _error(
-            400, "idempotency_error", "Keys for idempotent requests can only be used for the "
-            f"same endpoint they were first used for ('{path}' vs '{known.path}'). Try using a "
-            f"key other than '{key}' if you meant to execute a different request.")
-    elif known.fingerprint != fingerprint:
-        status, body = _error(
-            400, "idempotency_error", "Keys for idempotent requests can only be used with the "
-            "same parameters they were first used with. Try using a key other than "
-            f"'{key}' if you meant to execute a different request.")
-    else:
-        status, body = _error(
-            409, "api_error", "There is currently another in-progress request using this "
-            "Idempotency-Key. Please try again later.", code="idempotency_key_in_use")
-    return status, body, False
-
-
-async def _execute(state: TripState, write: _Write, params: Mapping[str, Any],
-                   match: Mapping[str, str], key: str | None, entry: _KeyEntry | None,
-                   action: FaultAction, request_id: str) -> Answer:
-    """Layer 6: act and save the answer under the key, whatever it is."""
-    await asyncio.sleep(action.delay_s)
-    result = _act(state, write, params, match, key, action, request_id)
-    if entry is not None:
-        entry.status, entry.body = result
-    return result
-
-
-def _executed(state: TripState, key: str | None, entry: _KeyEntry | None,
-              execution: asyncio.Task[Answer]) -> None:
-    """A done callback, so it runs even for an execution cancelled before it started."""
-    state.in_flight -= 1
-    state.executions.discard(execution)
-    assert state.in_flight >= 0
-    if entry is not None and entry.status is None and key is not None and \
-            state.keys.get(key) is entry:
-        # A bug or a shutdown ended it unsaved: free the key rather than answer 409 forever.
-        del state.keys[key]
-
-
-def _act(state: TripState, write: _Write, params: Mapping[str, Any], match: Mapping[str, str],
-         key: str | None, action: FaultAction, request_id: str) -> Answer:
-    if action.status is not None and action.when == "before_commit":
-        return _error(action.status, "api_error", "An unexpected error occurred (injected "
-                      "before commit: nothing was done).")
-    status, body = write.act(state, params, match, key, action, request_id)
-    if action.status is not None and 200 <= status < 300:
-        return _error(action.status, "api_error", "An unexpected error occurred (injected "
-                      "after commit: it was done).")
-    return status, body
+TRIPSIM = keyed.Provider(
+    sim=SIM, rules=TripFaultRules, read_params=_read_params, log_fields=_logged,
+    rate_limited="Too many requests; back off and retry.", records="records",
+    not_done="nothing was done", done="it was done")
 
 
 # --- lookups -------------------------------------------------------------------------------------
@@ -732,21 +472,15 @@ def _list_handler(store: Store, filters: Sequence[str]
                   ) -> Callable[[web.Request], Awaitable[web.Response]]:
     """GET a list filtered by exactly one of `filters` (each an index name and query name)."""
 
-    async def handle(request: web.Request) -> web.Response:
-        state = request.app[SIM].state
-        request_id = _new_id("req")
-        limit = _limit(request)
-        if isinstance(limit, tuple):
-            return _reply(*limit, request_id)
+    def answer(request: web.Request, limit: int) -> Answer:
         given = [name for name in filters if name in request.query]
         if len(given) != 1:
-            return _reply(*_invalid(f"filter by exactly one of: {', '.join(filters)}"),
-                          request_id)
-        found = state.find(store, given[0], request.query[given[0]])
-        return _reply(200, {"object": "list", "url": request.path, "data": found[:limit],
-                            "has_more": len(found) > limit}, request_id)
+            return _invalid(f"filter by exactly one of: {', '.join(filters)}")
+        found = request.app[SIM].state.find(store, given[0], request.query[given[0]])
+        return 200, {"object": "list", "url": request.path, "data": found[:limit],
+                     "has_more": len(found) > limit}
 
-    return handle
+    return keyed.list_handler(answer)
 
 
 def _get_handler(store: Store, param: str,
@@ -754,41 +488,20 @@ def _get_handler(store: Store, param: str,
     async def handle(request: web.Request) -> web.Response:
         record = request.app[SIM].state.records[store].get(request.match_info[param])
         if record is None:
-            return _reply(*_error(404, "invalid_request_error",
-                                  f"No such {noun}: '{request.match_info[param]}'",
-                                  code="resource_missing", param="id"), _new_id("req"))
+            return _reply(*keyed.missing(noun, request.match_info[param]), _new_id("req"))
         return _reply(200, record.obj, _new_id("req"))
 
     return handle
 
 
-# --- simulator controls --------------------------------------------------------------------------
-
-
-def _bad_control(message: str) -> web.Response:
-    return web.json_response({"error": {"type": "invalid_request_error", "message": message}},
-                             status=400)
-
-
-async def set_faults(request: web.Request) -> web.Response:
-    try:
-        rules = TripFaultRules.model_validate_json(await request.read())
-    except ValidationError as exc:
-        return _bad_control(str(exc))
-    request.app[SIM].state.set_rules(rules.rules)
-    return web.json_response({"rules": len(rules.rules)})
-
-
-async def clear_faults(request: web.Request) -> web.Response:
-    request.app[SIM].state.set_rules([])
-    return web.json_response({"rules": 0})
+# --- simulator controls (the faults, requests, reset and clock are keyed's) ----------------------
 
 
 async def set_full_hotels(request: web.Request) -> web.Response:
     try:
         full = FullHotels.model_validate_json(await request.read())
     except ValidationError as exc:
-        return _bad_control(str(exc))
+        return keyed.bad_control(str(exc))
     state = request.app[SIM].state
     state.full_hotels = set(full.hotels)
     return web.json_response({"hotels": sorted(state.full_hotels)})
@@ -810,30 +523,6 @@ async def ledger(request: web.Request) -> web.Response:
     return web.json_response(described)
 
 
-async def requests_log(request: web.Request) -> web.Response:
-    return web.json_response({"requests": request.app[SIM].state.requests})
-
-
-async def reset(request: web.Request) -> web.Response:
-    sim = request.app[SIM]
-    sim.state = TripState(key_ttl_s=sim.state.key_ttl_s)
-    return web.json_response({"reset": True})
-
-
-async def advance_clock(request: web.Request) -> web.Response:
-    """Move the simulator's clock forward (never back: key expiry relies on it)."""
-    try:
-        raw = await request.json()
-        advance_s = float(raw["advance_s"])
-    except (ValueError, KeyError, TypeError):
-        return _bad_control('expected {"advance_s": N}')
-    if not 0.0 <= advance_s <= CLOCK_ADVANCE_S_MAX:
-        return _bad_control(f"advance_s must be 0 to {CLOCK_ADVANCE_S_MAX:g}")
-    state = request.app[SIM].state
-    state.clock_offset_s += advance_s
-    return web.json_response({"now": state.now_s(), "offset_s": state.clock_offset_s})
-
-
 async def drain(request: web.Request) -> web.Response:
     """Answer once every execution in flight now has finished (or DRAIN_TIMEOUT_S passed)."""
     state = request.app[SIM].state
@@ -846,87 +535,43 @@ async def drain(request: web.Request) -> web.Response:
 # --- app and process -----------------------------------------------------------------------------
 
 
-def make_app(key_ttl_s: float = KEY_TTL_S_DEFAULT) -> web.Application:
-    if key_ttl_s <= 0:
-        raise ValueError(f"key_ttl_s must be positive, got {key_ttl_s}")
-    app = web.Application(client_max_size=BODY_BYTES_MAX)
-    app[SIM] = Simulator(TripState(key_ttl_s=key_ttl_s))
+def make_app(key_ttl_s: float = keyed.KEY_TTL_S_DEFAULT) -> web.Application:
+    app = keyed.new_app(TRIPSIM, Simulator(TripState(key_ttl_s=key_ttl_s)))
     post = app.router.add_post
     get = app.router.add_get
-    post("/flights/holds", _write_handler(WRITES["flights.hold"]))
-    post("/flights/holds/{hold_id}/release", _write_handler(WRITES["flights.release"]))
+
+    def write(name: EndpointName) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        return keyed.write_handler(TRIPSIM, WRITES[name])
+
+    post("/flights/holds", write("flights.hold"))
+    post("/flights/holds/{hold_id}/release", write("flights.release"))
     get("/flights/holds", _list_handler("holds", ("key", "release_key")))
     get("/flights/holds/{hold_id}", _get_handler("holds", "hold_id", "hold"))
-    post("/hotels/bookings", _write_handler(WRITES["hotels.book"]))
-    post("/hotels/bookings/{booking_id}/cancel", _write_handler(WRITES["hotels.cancel"]))
+    post("/hotels/bookings", write("hotels.book"))
+    post("/hotels/bookings/{booking_id}/cancel", write("hotels.cancel"))
     get("/hotels/bookings", _list_handler("bookings", ("key", "cancel_key")))
     get("/hotels/bookings/{booking_id}", _get_handler("bookings", "booking_id", "booking"))
-    post("/email/messages", _write_handler(WRITES["email.send"]))
+    post("/email/messages", write("email.send"))
     get("/email/messages", _list_handler("emails", ("message_id",)))
     get("/email/messages/{email_id}", _get_handler("emails", "email_id", "email"))
-    post("/_sim/faults", set_faults)
-    app.router.add_delete("/_sim/faults", clear_faults)
     post("/_sim/hotels/full", set_full_hotels)
     get("/_sim/ledger", ledger)
-    get("/_sim/requests", requests_log)
-    post("/_sim/reset", reset)
-    post("/_sim/clock", advance_clock)
     post("/_sim/drain", drain)
-    app.on_shutdown.append(_cancel_executions)
     return app
 
 
-async def _cancel_executions(app: web.Application) -> None:
-    executions = list(app[SIM].state.executions)
-    for execution in executions:
-        execution.cancel()
-    await asyncio.gather(*executions, return_exceptions=True)
-
-
-async def _start(host: str, port: int, key_ttl_s: float) -> tuple[str, web.AppRunner]:
-    # Our own socket, so that with port 0 we can read back the port the kernel chose.
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    runner = web.AppRunner(make_app(key_ttl_s), access_log=None,
-                           shutdown_timeout=SHUTDOWN_TIMEOUT_S)
-    await runner.setup()
-    await web.SockSite(runner, sock, backlog=BACKLOG).start()
-    return f"http://{host}:{sock.getsockname()[1]}", runner
-
-
-async def start_in_process(port: int = 0, key_ttl_s: float = KEY_TTL_S_DEFAULT, *,
-                           host: str = HOST) -> tuple[str, Callable[[], Awaitable[None]]]:
+async def start_in_process(port: int = 0, key_ttl_s: float = keyed.KEY_TTL_S_DEFAULT, *,
+                           host: str = keyed.HOST) -> tuple[str, Callable[[], Awaitable[None]]]:
     """Serve the simulator on this event loop: (base URL, a coroutine function that stops it)."""
-    url, runner = await _start(host, port, key_ttl_s)
+    url, runner = await keyed.start(make_app(key_ttl_s), host, port)
     return url, runner.cleanup
 
 
-async def _serve(host: str, port: int, key_ttl_s: float) -> None:
-    url, runner = await _start(host, port, key_ttl_s)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    print(f"listening on {url}", flush=True)  # the one line a parent process reads
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m halfway.simulators.travel",
-        description="A flights, hotels and email provider simulator (tripsim).")
-    parser.add_argument("--host", default=HOST)
-    parser.add_argument("--port", type=int, default=0, help="0: any free port")
-    parser.add_argument("--key-ttl-s", type=float, default=KEY_TTL_S_DEFAULT,
-                        help="how long an idempotency key is remembered after its first request")
-    args = parser.parse_args(argv)
-    if args.key_ttl_s <= 0:
-        parser.error("--key-ttl-s must be positive")
-    asyncio.run(_serve(args.host, args.port, args.key_ttl_s))
+    parser = keyed.arg_parser("python -m halfway.simulators.travel",
+                        "A flights, hotels and email provider simulator (tripsim).")
+    args = keyed.parse_args(parser, argv)
+    asyncio.run(keyed.serve(lambda: make_app(args.key_ttl_s), args.host, args.port))
     return 0
 
 

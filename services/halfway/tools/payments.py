@@ -7,26 +7,29 @@ and as `metadata[halfway_key]`, so a lookup can find the effect by our name for 
 the provider forgot the key.
 
 It reports what it saw and never raises for a provider or network failure; the pure core
-(`halfway.core.classify`) decides what that means. How each failure maps, and why:
-
-- connect refused, connect timeout, no free pooled connection: the request never left → NotSent
-- read timeout, write timeout (the request may be partly sent): → TimedOut
-- the server hung up, a read or write broke: → ConnectionLost
-- any status other than 2xx: → Replied, with Stripe's error code (or type) and message
-- anything else → Unexpected
+(`halfway.core.classify`) decides what that means. How each failure maps, and why, is listed in
+`halfway.tools.http` (a non-2xx answer is Replied with Stripe's error code, or type, and
+message).
 """
 
 from __future__ import annotations
 
 import asyncio
-from types import TracebackType
 from typing import Any
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from halfway.contract import EffectClass, SagaRole
-from halfway.core.classify import ConnectionLost, NotSent, Replied, TimedOut, Unexpected
+from halfway.core.classify import Unexpected
+from halfway.tools.http import (
+    HttpAdapter,
+    attempt_budget_s,
+    error_text,
+    httpx_timeout,
+    replayed,
+    replied,
+)
 from halfway.tools.spec import (
     CallContext,
     CallResult,
@@ -41,11 +44,8 @@ from halfway.tools.spec import (
 TOOL_NAME = "charge_customer"
 PROVIDER = "paysim"
 METADATA_KEY = "halfway_key"  # the metadata entry that carries our idempotency key
-CONNECT_TIMEOUT_S_MAX = 2.0  # a local or regional API accepts a connection well within this
-CONNECTIONS_MAX = 100  # httpx's default pool size, named; waiting for a slot is a PoolTimeout
 SEARCH_LIMIT = 10  # one key names one effect; more than a few charges under it is a finding
 AMOUNT_CENTS_MAX = 99_999_999  # Stripe's largest amount
-ERROR_TEXT_CHARS_MAX = 300  # of an unparseable error body, kept in the failure
 
 
 class ChargeArgs(BaseModel):
@@ -90,31 +90,8 @@ def charge_customer_spec(timeout_s: float = 5.0, key_ttl_s: float = 86_400.0) ->
     )
 
 
-class PaymentsAdapter:
-    """One shared `httpx.AsyncClient` per adapter, made on first use; `aclose()` closes it."""
-
-    def __init__(self, base_url: str, *, connections_max: int = CONNECTIONS_MAX) -> None:
-        self._base_url = base_url.rstrip("/")
-        self._limits = httpx.Limits(max_connections=connections_max,
-                                    max_keepalive_connections=connections_max)
-        self._client: httpx.AsyncClient | None = None
-
-    def _http(self) -> httpx.AsyncClient:
-        if self._client is None:
-            self._client = httpx.AsyncClient(base_url=self._base_url, limits=self._limits)
-        return self._client
-
-    async def aclose(self) -> None:
-        if self._client is not None:
-            client, self._client = self._client, None
-            await client.aclose()
-
-    async def __aenter__(self) -> PaymentsAdapter:
-        return self
-
-    async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, tb: TracebackType | None) -> None:
-        await self.aclose()
+class PaymentsAdapter(HttpAdapter):
+    """charge_customer's call and lookup; the client and its lifecycle are `HttpAdapter`'s."""
 
     async def call(self, args: BaseModel, ctx: CallContext) -> CallResult:
         charge = _charge_args(args)
@@ -126,27 +103,10 @@ class PaymentsAdapter:
             f"metadata[{METADATA_KEY}]": ctx.key,
             "metadata[invoice]": charge.invoice,
         }
-        try:
-            async with asyncio.timeout(_attempt_budget_s(ctx.timeout_s)):
-                response = await self._http().post(
-                    "/v1/charges", data=form, headers={"Idempotency-Key": ctx.key},
-                    timeout=_timeout(ctx.timeout_s))
-        # Order matters only for readability: these httpx classes do not overlap.
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            return NotSent(f"{type(exc).__name__}: {exc}")
-        except httpx.PoolTimeout:
-            # Waiting for one of our own pooled connections: nothing was written yet.
-            return NotSent(f"no free connection within {ctx.timeout_s:g} s")
-        except httpx.UnsupportedProtocol as exc:
-            return NotSent(f"UnsupportedProtocol: {exc}")
-        except (httpx.ReadTimeout, httpx.WriteTimeout, TimeoutError):
-            # WriteTimeout: part of the request may have reached the server. TimeoutError: our
-            # whole-attempt budget ran out (a trickling reply), after the request was sent.
-            return TimedOut(ctx.timeout_s)
-        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
-            return ConnectionLost(f"{type(exc).__name__}: {exc}")
-        except Exception as exc:
-            return Unexpected(f"{type(exc).__name__}: {exc}")
+        response = await self._request("POST", "/v1/charges", ctx.timeout_s, data=form,
+                                       headers={"Idempotency-Key": ctx.key})
+        if not isinstance(response, httpx.Response):
+            return response
         return _call_result(response)
 
     async def lookup(self, args: BaseModel, ctx: CallContext) -> LookupResult:
@@ -155,13 +115,13 @@ class PaymentsAdapter:
         charge = _charge_args(args)
         query = f"metadata['{METADATA_KEY}']:{_search_literal(ctx.key)}"
         try:
-            async with asyncio.timeout(_attempt_budget_s(ctx.timeout_s)):
+            async with asyncio.timeout(attempt_budget_s(ctx.timeout_s)):
                 response = await self._http().get(
                     "/v1/charges/search", params={"query": query, "limit": SEARCH_LIMIT},
-                    timeout=_timeout(ctx.timeout_s))
+                    timeout=httpx_timeout(ctx.timeout_s))
             if response.status_code != 200:
                 return LookupFailed(f"search answered HTTP {response.status_code}: "
-                                    f"{_error_text(response)}")
+                                    f"{error_text(response)}")
             body = response.json()
             charges = body["data"]
             if not isinstance(charges, list):
@@ -177,16 +137,6 @@ def _charge_args(args: BaseModel) -> ChargeArgs:
     return args
 
 
-def _timeout(timeout_s: float) -> httpx.Timeout:
-    return httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S_MAX))
-
-
-def _attempt_budget_s(timeout_s: float) -> float:
-    """A bound on the whole attempt. httpx's timeouts bound each wait, not their sum; this lets
-    one pool wait, connect and read each run their course, and no more."""
-    return 2 * timeout_s + min(timeout_s, CONNECT_TIMEOUT_S_MAX)
-
-
 def _search_literal(value: str) -> str:
     """A Search API string literal: single-quoted, with \\ and ' escaped."""
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
@@ -195,10 +145,6 @@ def _search_literal(value: str) -> str:
 def _evidence(charge: dict[str, Any]) -> dict[str, Any]:
     return {"charge_id": charge["id"], "amount_cents": charge["amount"],
             "currency": charge["currency"], "provider": PROVIDER}
-
-
-def _error_text(response: httpx.Response) -> str:
-    return response.text[:ERROR_TEXT_CHARS_MAX]
 
 
 def _call_result(response: httpx.Response) -> CallResult:
@@ -211,19 +157,13 @@ def _call_result(response: httpx.Response) -> CallResult:
         except Exception as exc:
             # It said yes but not what it did: without evidence this is not done, only unknown.
             return Unexpected(f"HTTP {status} without a readable charge "
-                              f"({type(exc).__name__}: {exc}): {_error_text(response)}")
+                              f"({type(exc).__name__}: {exc}): {error_text(response)}")
         if charge_status != "succeeded":
             # Stripe answers a decline with 402; a 2xx charge that is pending is not done yet.
             return Unexpected(f"HTTP {status} with charge {evidence['charge_id']} "
                               f"in status {charge_status!r}")
-        replayed = response.headers.get("Idempotent-Replayed", "").lower() == "true"
-        return Succeeded(evidence=evidence, replayed=replayed)
-    try:
-        error = response.json()["error"]
-        return Replied(status, code=error.get("code") or error.get("type"),
-                       message=error.get("message") or "")
-    except Exception:
-        return Replied(status, code=None, message=_error_text(response))
+        return Succeeded(evidence=evidence, replayed=replayed(response))
+    return replied(response)
 
 
 def _settle(charges: list[Any], args: ChargeArgs, key: str) -> LookupResult:

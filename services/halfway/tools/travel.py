@@ -18,15 +18,10 @@ undo's lookup asks for its own key (`?release_key=`, `?cancel_key=`) and finds i
 
 One `TravelAdapter` serves all five tools (one shared `httpx.AsyncClient`, made on first use;
 `aclose()` closes it). It reports what it saw and never raises for a provider or network
-failure; the pure core (`halfway.core.classify`) decides what that means. Failures map exactly
-as charge_customer's do (`halfway.tools.payments`):
-
-- connect refused, connect timeout, no free pooled connection: the request never left → NotSent
-- read timeout, write timeout (the request may be partly sent): → TimedOut
-- the server hung up, a read or write broke: → ConnectionLost
-- any status other than 2xx: → Replied, with the provider's error code (or type) and message
-  (a refused booking is 422 `no_availability`: proof of not done)
-- anything else → Unexpected
+failure; the pure core (`halfway.core.classify`) decides what that means. Failures map as
+charge_customer's do, as `halfway.tools.http` lists: a non-2xx answer is Replied with the
+provider's error code (or type) and message (a refused booking is 422 `no_availability`: proof
+of not done).
 
 A lookup answers Found (evidence of the same shape as the call's), Found(succeeded=False) for
 a refused attempt under our key (tripsim keeps those: a hotel with no room, a bounced
@@ -36,9 +31,7 @@ step asked for).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Collection
-from types import TracebackType
 from typing import Any, TypeVar
 from urllib.parse import quote
 
@@ -46,14 +39,8 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from halfway.contract import CompensationPlan, EffectClass, SagaRole
-from halfway.core.classify import (
-    CallFailure,
-    ConnectionLost,
-    NotSent,
-    Replied,
-    TimedOut,
-    Unexpected,
-)
+from halfway.core.classify import Unexpected
+from halfway.tools.http import HttpAdapter, error_text, replayed, replied
 from halfway.tools.spec import (
     CallContext,
     CallResult,
@@ -74,10 +61,7 @@ PROVIDER = "tripsim"
 METADATA_KEY = "halfway_key"  # the metadata entry that carries our idempotency key
 MESSAGE_ID_DOMAIN = "halfway.local"
 KEY_TTL_S_DEFAULT = 86_400.0  # what tripsim keeps by default (Stripe v1 and Resend: 24 h)
-CONNECT_TIMEOUT_S_MAX = 2.0  # a local or regional API accepts a connection well within this
-CONNECTIONS_MAX = 100  # httpx's default pool size, named; waiting for a slot is a PoolTimeout
 SEARCH_LIMIT = 10  # one key names one effect; more than a few records under it is a finding
-ERROR_TEXT_CHARS_MAX = 300  # of an unparseable error body, kept in the failure
 NIGHTS_MAX = 60
 REFUSED = "refused"  # tripsim's status for a refused attempt (not an effect)
 
@@ -232,31 +216,8 @@ Evidence = Callable[[dict[str, Any]], dict[str, Any]]
 # --- the adapter ---------------------------------------------------------------------------------
 
 
-class TravelAdapter:
+class TravelAdapter(HttpAdapter):
     """Calls and lookups for the five trip tools; which tool is meant follows from the args."""
-
-    def __init__(self, base_url: str, *, connections_max: int = CONNECTIONS_MAX) -> None:
-        self._base_url = base_url.rstrip("/")
-        self._limits = httpx.Limits(max_connections=connections_max,
-                                    max_keepalive_connections=connections_max)
-        self._client: httpx.AsyncClient | None = None
-
-    def _http(self) -> httpx.AsyncClient:
-        if self._client is None:
-            self._client = httpx.AsyncClient(base_url=self._base_url, limits=self._limits)
-        return self._client
-
-    async def aclose(self) -> None:
-        if self._client is not None:
-            client, self._client = self._client, None
-            await client.aclose()
-
-    async def __aenter__(self) -> TravelAdapter:
-        return self
-
-    async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, tb: TracebackType | None) -> None:
-        await self.aclose()
 
     async def call(self, args: BaseModel, ctx: CallContext) -> CallResult:
         match args:
@@ -322,21 +283,21 @@ class TravelAdapter:
 
     async def _write(self, path: str, body: dict[str, Any], ctx: CallContext, done: str,
                      evidence: Evidence) -> CallResult:
-        response = await _request(self._http(), "POST", path, ctx.timeout_s, json=body,
-                                  headers={"Idempotency-Key": ctx.key})
+        response = await self._request("POST", path, ctx.timeout_s, json=body,
+                                       headers={"Idempotency-Key": ctx.key})
         if not isinstance(response, httpx.Response):
             return response
         return _call_result(response, done, evidence)
 
     async def _list(self, path: str, params: dict[str, Any],
                     ctx: CallContext) -> list[Any] | LookupFailed:
-        response = await _request(self._http(), "GET", path, ctx.timeout_s,
-                                  params={**params, "limit": SEARCH_LIMIT})
+        response = await self._request("GET", path, ctx.timeout_s,
+                                       params={**params, "limit": SEARCH_LIMIT})
         if not isinstance(response, httpx.Response):
             return LookupFailed(f"lookup {path} failed: {response!r}")
         if response.status_code != 200:
             return LookupFailed(f"lookup {path} answered HTTP {response.status_code}: "
-                                f"{_error_text(response)}")
+                                f"{error_text(response)}")
         try:
             found = response.json()["data"]
             if not isinstance(found, list):
@@ -349,47 +310,9 @@ class TravelAdapter:
 # --- HTTP and what an answer says ----------------------------------------------------------------
 
 
-async def _request(client: httpx.AsyncClient, method: str, path: str, timeout_s: float,
-                   **kwargs: Any) -> httpx.Response | CallFailure:
-    """One exchange, or the failure it ended in, mapped as the module docstring says."""
-    try:
-        async with asyncio.timeout(_attempt_budget_s(timeout_s)):
-            return await client.request(method, path, timeout=_timeout(timeout_s), **kwargs)
-    # Order matters only for readability: these httpx classes do not overlap.
-    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-        return NotSent(f"{type(exc).__name__}: {exc}")
-    except httpx.PoolTimeout:
-        # Waiting for one of our own pooled connections: nothing was written yet.
-        return NotSent(f"no free connection within {timeout_s:g} s")
-    except httpx.UnsupportedProtocol as exc:
-        return NotSent(f"UnsupportedProtocol: {exc}")
-    except (httpx.ReadTimeout, httpx.WriteTimeout, TimeoutError):
-        # WriteTimeout: part of the request may have reached the server. TimeoutError: our
-        # whole-attempt budget ran out (a trickling reply), after the request was sent.
-        return TimedOut(timeout_s)
-    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
-        return ConnectionLost(f"{type(exc).__name__}: {exc}")
-    except Exception as exc:
-        return Unexpected(f"{type(exc).__name__}: {exc}")
-
-
-def _timeout(timeout_s: float) -> httpx.Timeout:
-    return httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S_MAX))
-
-
-def _attempt_budget_s(timeout_s: float) -> float:
-    """A bound on the whole attempt. httpx's timeouts bound each wait, not their sum; this lets
-    one pool wait, connect and read each run their course, and no more."""
-    return 2 * timeout_s + min(timeout_s, CONNECT_TIMEOUT_S_MAX)
-
-
 def _segment(provider_id: str) -> str:
     """A provider id as one URL path segment (the args pattern already allows no other)."""
     return quote(provider_id, safe="")
-
-
-def _error_text(response: httpx.Response) -> str:
-    return response.text[:ERROR_TEXT_CHARS_MAX]
 
 
 def _call_result(response: httpx.Response, done: str, evidence_of: Evidence) -> CallResult:
@@ -402,18 +325,12 @@ def _call_result(response: httpx.Response, done: str, evidence_of: Evidence) -> 
         except Exception as exc:
             # It said yes but not what it did: without evidence this is not done, only unknown.
             return Unexpected(f"HTTP {status} without a readable object "
-                              f"({type(exc).__name__}: {exc}): {_error_text(response)}")
+                              f"({type(exc).__name__}: {exc}): {error_text(response)}")
         if made_status != done:
             return Unexpected(f"HTTP {status} with {made.get('id')} in status "
                               f"{made_status!r}, not {done!r}")
-        replayed = response.headers.get("Idempotent-Replayed", "").lower() == "true"
-        return Succeeded(evidence=evidence, replayed=replayed)
-    try:
-        error = response.json()["error"]
-        return Replied(status, code=error.get("code") or error.get("type"),
-                       message=error.get("message") or "")
-    except Exception:
-        return Replied(status, code=None, message=_error_text(response))
+        return Succeeded(evidence=evidence, replayed=replayed(response))
+    return replied(response)
 
 
 def _settle_created(found: list[Any], key: str, noun: str, evidence_of: Evidence,
