@@ -117,6 +117,18 @@ def test_escalation_shows_on_the_step_and_the_task_until_an_operator_resolves_it
     assert [(m.subject, m.state) for m in after] == [("step", "done"), ("task", "running")]
 
 
+def test_a_call_off_is_news_for_subscribers_before_the_task_ends() -> None:
+    s = Stamper(TASK)
+    log: list[Event] = [s.started(), s.intended(1), s.attempted(1, 1)]
+    before = messages(log, TASK)
+    log.append(s.aborted("the customer cancelled", by="alice"))
+    (called_off,) = messages(log, TASK)[len(before):]
+    assert (called_off.subject, called_off.state, called_off.finished) == ("task", "running",
+                                                                           False)
+    assert called_off.words.startswith("running, called off by alice: the customer cancelled")
+    assert called_off.reason == "the customer cancelled"
+
+
 def test_a_contradiction_is_surfaced_not_dropped() -> None:
     s = Stamper(TASK)
     log = [s.started(), s.intended(1), s.attempted(1, 1), s.settled(1, Outcome.DONE, attempt=1),

@@ -235,12 +235,20 @@ def _task(state: TaskState) -> Change | None:
                               words=(f"needs attention: unknown and no further check is planned "
                                      f"(reference {refs}); an operator must resolve it"),
                               at=_newest_at(state))
+            if state.aborted is not None:
+                called_off = state.aborted
+                return Change(**base, state="running",
+                              words=(f"running, called off by {called_off.by}: "
+                                     f"{called_off.reason}; no new step is decided, steps in "
+                                     f"flight settle, and a saga undoes what is done"),
+                              reason=called_off.reason, at=_newest_at(state))
             return Change(**base, state="running", words="running", at=_newest_at(state))
 
 
 def _newest_at(state: TaskState) -> datetime:
     """The newest fact of a running task: what moved it in or out of needing attention."""
-    facts: list[datetime] = [e.at for e in (state.started, state.request) if e is not None]
+    facts: list[datetime] = [e.at for e in (state.started, state.request, state.aborted)
+                             if e is not None]
     for step in state.steps.values():
         facts.append(step.intent.at)
         for effect in (step.effect, step.undo):
