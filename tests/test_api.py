@@ -769,3 +769,25 @@ async def test_the_status_command_says_unknown_the_reference_and_the_next_check(
     assert f"{UNKNOWN_TASK}:1" in text
     assert at(NEXT_CHECK) in text
     assert "failed" not in text.lower()
+
+
+def test_status_of_a_called_off_saga_shows_its_undo_being_checked() -> None:
+    now = datetime(2026, 12, 2, 9, 0, tzinfo=UTC)
+    step = {"n": 1, "tool": "hold_flight", "subject": "flight:LH-454:Ada", "status": "done",
+            "key": "trip-1:1", "attempts": 1, "next_check_at": None, "outcome": "done",
+            "evidence": {"hold_id": "hold_1"}, "reason": None, "contradictions": 0,
+            "needs_attention": False,
+            "compensation": {"tool": "release_flight_hold", "key": "trip-1:1:undo",
+                             "status": "unknown", "outcome": "unknown", "evidence": None,
+                             "reason": "no reply within 5 s", "needs_attention": False,
+                             "next_check_at": now + timedelta(seconds=30)}}
+    task = {"task_id": "trip-1", "state": "running", "started_at": now, "updated_at": now,
+            "finished_at": None, "summary": None, "aborted_by": "alice",
+            "aborted_reason": "the customer cancelled", "steps": [step]}
+    text = status_table(task, now=now)
+    assert "called off by alice: the customer cancelled" in text
+    assert "step 1 undo: unknown" in text
+    assert "no reply within 5 s; next check" in text
+    assert "(in 30s)" in text
+    step["compensation"] |= {"needs_attention": True, "next_check_at": None}
+    assert "an operator must undo it" in status_table(task, now=now)

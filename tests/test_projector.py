@@ -126,7 +126,8 @@ def test_rows_of_a_typical_history() -> None:
         "task_id": "renewal-1", "status": "running", "final_state": None,
         "needs_attention": True, "input": {"invoice": "INV-2291"},
         "allowed_tools": ["charge_customer"], "summary": None, "steps": 2,
-        "started_at": started.at, "finished_at": None, "updated_at": undo_done.at}]
+        "started_at": started.at, "finished_at": None, "updated_at": undo_done.at,
+        "aborted_by": None, "aborted_reason": None}]
     first, second = rows["steps"]
     assert first == {
         "step_id": "renewal-1:1", "task_id": "renewal-1", "n": 1, "tool": "charge_customer",
@@ -156,7 +157,26 @@ def test_rows_of_a_typical_history() -> None:
         "step_id": "renewal-1:1", "task_id": "renewal-1", "tool": "refund_charge",
         "args": {"charge": "ch_1"}, "key": "renewal-1:1:undo", "status": "done",
         "outcome": "done", "evidence": {"charge_id": "ch_1"}, "reason": None, "attempts": 1,
-        "updated_at": undo_done.at}]
+        "updated_at": undo_done.at, "last_check": None, "next_check_at": None,
+        "needs_attention": False}]
+
+
+def test_rows_of_a_called_off_saga_with_an_undo_being_checked() -> None:
+    s = Stamper("trip-1")
+    events = [s.started(), saga_step(s, 1), s.attempted(1, 1),
+              s.settled(1, Outcome.DONE, attempt=1), s.aborted("the customer cancelled"),
+              s.undo_intended(1), s.undo_attempted(1, 1),
+              s.undo_settled(1, Outcome.UNKNOWN, attempt=1)]
+    check = s.undo_checked(1)
+    rows = rows_of(fold([*events, check]))
+    (task,) = rows["tasks"]
+    assert (task["aborted_by"], task["aborted_reason"]) == ("operator", "the customer cancelled")
+    (undo,) = rows["compensations"]
+    assert (undo["status"], undo["last_check"], undo["next_check_at"],
+            undo["needs_attention"]) == ("unknown", "nothing", check.next_check_at, False)
+    escalated = rows_of(fold([*events, s.undo_checked(1, next_in=None)]))["compensations"][0]
+    assert (escalated["next_check_at"], escalated["needs_attention"]) == (None, True)
+    assert rows["checks"] == []  # undo checks live on the compensation's row
 
     finished = s.finished(FinalState.COMPENSATED)
     task = rows_of(fold([*events, finished]))["tasks"][0]

@@ -109,9 +109,12 @@ SCHEMAS: dict[str, Any] = {
             "outcome": {"enum": ["done", "not_done", "unknown", None]},
             "evidence": _nullable("object"), "reason": _nullable("string"),
             "attempts": {"type": "integer", "minimum": 0}, "updated_at": _TIME,
+            "last_check": _nullable("string"), "next_check_at": _TIME_OR_NULL,
+            "needs_attention": {"type": "boolean"},
         },
         "required": ["tool", "args", "key", "status", "outcome", "evidence", "reason",
-                     "attempts", "updated_at"],
+                     "attempts", "updated_at", "last_check", "next_check_at",
+                     "needs_attention"],
     },
     "Step": {
         "type": "object",

@@ -55,7 +55,8 @@ _STATE = """
 _TASKS = """
 SELECT * FROM (
     SELECT t.task_id, {state} AS state, t.status, t.final_state, t.needs_attention, t.summary,
-           t.steps AS step_count, t.started_at, t.finished_at, t.updated_at,
+           t.steps AS step_count, t.started_at, t.finished_at, t.updated_at, t.aborted_by,
+           t.aborted_reason,
            coalesce(c.done, 0) AS done, coalesce(c.not_done, 0) AS not_done,
            coalesce(c.unknown, 0) AS unknown, coalesce(c.in_flight, 0) AS in_flight,
            coalesce(c.intended, 0) AS intended, coalesce(c.contradictions, 0) AS contradictions,
@@ -98,7 +99,7 @@ SELECT step_id, event_id, at, found, next_check_at FROM (
 
 _COMPENSATIONS = """
 SELECT step_id, tool, args::text AS args, key, status, outcome, evidence::text AS evidence,
-       reason, attempts, updated_at
+       reason, attempts, updated_at, last_check, next_check_at, needs_attention
 FROM {schema}.compensations WHERE task_id = $1
 """
 

@@ -152,6 +152,9 @@ def status_table(task: Mapping[str, Any], now: datetime | None = None) -> str:
         times.append(f"finished {at(task['finished_at'])}")
     times.append(f"updated {at(task['updated_at'])}")
     head.append("  " + ", ".join(times))
+    if task.get("aborted_reason") and task.get("finished_at") is None:
+        head.append(f"  called off by {task.get('aborted_by')}: {task['aborted_reason']}; "
+                    f"steps in flight settle, and a saga undoes what is done")
     if task.get("summary"):
         head.append(f"  summary: {' '.join(str(task['summary']).split())}")
     steps = task.get("steps") or []
@@ -171,15 +174,21 @@ def status_table(task: Mapping[str, Any], now: datetime | None = None) -> str:
                          f"{s['key']} with the provider")
         undo = s.get("compensation")
         if undo is not None:
-            notes.append(f"step {s['n']} undo: {_undo_words(undo)} (reference {undo['key']})")
+            notes.append(f"step {s['n']} undo: {_undo_words(undo, now)} "
+                         f"(reference {undo['key']})")
     return "\n".join([*head, "", body, *(["", *notes] if notes else [])])
 
 
-def _undo_words(undo: Mapping[str, Any]) -> str:
+def _undo_words(undo: Mapping[str, Any], now: datetime | None) -> str:
     state = STEP_WORDS.get(undo["status"], undo["status"])
     if undo["status"] == "done":
         return f"{state}; evidence {evidence_text(undo.get('evidence'))}"
-    return f"{state}; {undo['reason']}" if undo.get("reason") else state
+    words = f"{state}; {undo['reason']}" if undo.get("reason") else state
+    if undo.get("needs_attention"):
+        return f"{words}; no further check is planned: an operator must undo it"
+    if undo["status"] == "unknown":
+        return f"{words}; next check {next_check(undo.get('next_check_at'), now)}"
+    return words
 
 
 # --- JSON ----------------------------------------------------------------------------------------

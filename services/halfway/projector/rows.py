@@ -32,7 +32,8 @@ PRIMARY_KEYS: dict[str, tuple[str, ...]] = {
 # The columns of each table, in schema.sql's order.
 COLUMNS: dict[str, tuple[str, ...]] = {
     "tasks": ("task_id", "status", "final_state", "needs_attention", "input", "allowed_tools",
-              "summary", "steps", "started_at", "finished_at", "updated_at"),
+              "summary", "steps", "started_at", "finished_at", "updated_at", "aborted_by",
+              "aborted_reason"),
     "steps": ("step_id", "task_id", "n", "tool", "args", "key", "subject", "effect_class",
               "decided_by", "status", "outcome", "evidence", "reason", "source", "attempts",
               "unknowns", "checks", "last_check", "next_check_at", "needs_attention",
@@ -40,7 +41,8 @@ COLUMNS: dict[str, tuple[str, ...]] = {
     "attempts": ("step_id", "attempt", "key", "started_at"),
     "checks": ("event_id", "step_id", "at", "found", "next_check_at"),
     "compensations": ("step_id", "task_id", "tool", "args", "key", "status", "outcome",
-                      "evidence", "reason", "attempts", "updated_at"),
+                      "evidence", "reason", "attempts", "updated_at", "last_check",
+                      "next_check_at", "needs_attention"),
 }
 JSON_COLUMNS: dict[str, frozenset[str]] = {
     "tasks": frozenset({"input", "allowed_tools"}),
@@ -74,6 +76,8 @@ def task_row(state: TaskState) -> Row:
         "started_at": None if state.started is None else state.started.at,
         "finished_at": None if state.finished is None else state.finished.at,
         "updated_at": updated_at,
+        "aborted_by": None if state.aborted is None else state.aborted.by,
+        "aborted_reason": None if state.aborted is None else state.aborted.reason,
     }
 
 
@@ -140,6 +144,8 @@ def compensation_rows(state: TaskState) -> list[Row]:
             continue  # undo events without a compensation.intended stay anomalies of the fold
         undo = step.undo
         settlement = undo.settlement
+        check = undo.last_check
+        open_ = undo.status in (StepStatus.UNKNOWN, StepStatus.IN_FLIGHT)
         out.append({
             "step_id": plan.step_id,
             "task_id": state.task_id,
@@ -152,6 +158,9 @@ def compensation_rows(state: TaskState) -> list[Row]:
             "reason": None if settlement is None else settlement.reason,
             "attempts": len(undo.attempts),
             "updated_at": _latest(_effect_times(undo, plan.at)),
+            "last_check": None if check is None else check.found,
+            "next_check_at": check.next_check_at if open_ and check is not None else None,
+            "needs_attention": undo.needs_attention,
         })
     return out
 

@@ -83,6 +83,14 @@ CREATE TABLE IF NOT EXISTS {schema}.compensations (
     updated_at       timestamptz NOT NULL
 );
 
+-- Added with sagas. ADD COLUMN IF NOT EXISTS also migrates a read model made before them.
+ALTER TABLE {schema}.tasks ADD COLUMN IF NOT EXISTS aborted_by text;  -- task.aborted: who
+ALTER TABLE {schema}.tasks ADD COLUMN IF NOT EXISTS aborted_reason text;  -- and why
+ALTER TABLE {schema}.compensations ADD COLUMN IF NOT EXISTS last_check text;
+ALTER TABLE {schema}.compensations ADD COLUMN IF NOT EXISTS next_check_at timestamptz;
+ALTER TABLE {schema}.compensations
+    ADD COLUMN IF NOT EXISTS needs_attention boolean NOT NULL DEFAULT false;
+
 CREATE TABLE IF NOT EXISTS {schema}.applied_offsets (
     topic            text NOT NULL,
     partition        integer NOT NULL,
