@@ -62,6 +62,8 @@ _TASK_FIELDS: dict[str, Any] = {
     "started_at": _TIME_OR_NULL,
     "finished_at": _TIME_OR_NULL,
     "updated_at": _TIME,
+    "aborted_by": {**_nullable("string"), "description": "Who called the task off, if anyone."},
+    "aborted_reason": {**_nullable("string"), "description": "Why it was called off."},
 }
 
 SCHEMAS: dict[str, Any] = {
