@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from halfway.client import HalfwayClient
 from halfway.contract import (
     CompensationAttempted,
     CompensationSettled,
@@ -36,6 +37,7 @@ from halfway.contract import (
 from halfway.contract.topics import JOURNAL
 from halfway.demo.trip import FULL_HOTEL, trip_request
 from halfway.journal.replay import partition_of
+from halfway.resolve import ResolveRefused
 from halfway.settings import KafkaSettings
 
 pytest.register_assert_rewrite("tests.processes")
@@ -338,3 +340,9 @@ async def test_an_aborted_trip_settles_its_step_in_flight_then_undoes_what_was_d
     assert statuses(done["bookings"]) == ["cancelled"]
     assert statuses(done["holds"]) == ["released"]
     assert done["charges"] == done["emails"] == []
+
+
+async def test_the_client_calls_off_only_a_task_that_is_running(topics: KafkaSettings) -> None:
+    async with HalfwayClient(topics) as client:
+        with pytest.raises(ResolveRefused, match="has not started"):
+            await client.abort_task(new_id("never-started"), "because")

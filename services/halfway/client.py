@@ -28,7 +28,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from pydantic import JsonValue, ValidationError
 
 from halfway import log
-from halfway.contract import TaskPolicy, TaskRequested
+from halfway.contract import TaskAborted, TaskPolicy, TaskRequested
 from halfway.contract.outcomes import OutcomeChanged, parse_outcome
 from halfway.contract.topics import JOURNAL, OUTCOMES, TASKS
 from halfway.core.fold import TaskState, TaskStatus, apply
@@ -75,6 +75,14 @@ class HalfwayClient:
                                 policy=policy or TaskPolicy())
         await self._writer.append(request, TASKS)
         return request
+
+    async def abort_task(self, task_id: str, reason: str, by: str = "caller") -> TaskAborted:
+        """Call a started task off: no new step is decided, steps in flight settle, and a saga
+        undoes what is done. Raises `halfway.resolve.ResolveRefused` if the task has not
+        started, has finished, or was called off already."""
+        from halfway.resolve import abort_task
+
+        return await abort_task(self.settings, task_id, reason=reason, by=by)
 
     def outcomes(self, task_id: str | None = None, *, from_beginning: bool = True,
                  ) -> OutcomeStream:
