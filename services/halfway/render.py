@@ -4,55 +4,54 @@ from __future__ import annotations
 
 from typing import Any
 
-from halfway.core.fold import StepState, StepStatus, TaskState
+from halfway.core.fold import EffectState, StepState, StepStatus, TaskState
 
 
 def step_line(step: StepState) -> str:
     """One line a person (or a model) cannot misread."""
-    intent, effect = step.intent, step.effect
-    what = f"{intent.tool} {intent.subject or ''}".strip()
-    ref = f"(reference {intent.key})"
-    match step.status:
-        case StepStatus.DONE:
-            return f"done: {what} {ref}; evidence {_evidence(effect.settlement.evidence)}"
-        case StepStatus.NOT_DONE:
-            return f"not done, safe to try again: {what} {ref}; {effect.settlement.reason}"
-        case StepStatus.UNKNOWN:
-            check = effect.last_check
-            if check is None:
-                when = "the harness is checking"
-            elif check.next_check_at is not None:
-                when = f"next check at {check.next_check_at:%H:%M:%S}Z"
-            else:
-                when = "no further check is planned: an operator must resolve it"
-            reason = effect.settlement.reason if effect.settlement else "no reply"
-            return (f"unknown, being checked: {what} {ref}; {reason}; {when}; "
-                    "do not start another one")
-        case StepStatus.IN_FLIGHT:
-            return f"in flight: {what} {ref}; attempt {effect.attempts[-1].attempt}"
-        case StepStatus.INTENDED:
-            return f"decided, not yet attempted: {what} {ref}"
+    intent = step.intent
+    what = f"{intent.tool} {intent.subject or ''}".strip() + f" (reference {intent.key})"
+    return effect_line(step.effect, what, unknown_advice="do not start another one")
 
 
 def undo_line(step: StepState) -> str | None:
     """The compensation of a step, in the same three states; None if it has none."""
-    plan, undo = step.compensation, step.undo
+    plan, intent = step.compensation, step.intent
     if plan is None:
         return None
-    what = f"undo of {step.step_id} by {plan.tool}"
-    ref = f"(reference {plan.key})"
-    match undo.status:
+    what = (f"undo of {intent.tool} {intent.subject or ''}".strip()
+            + f" by {plan.tool} (reference {plan.key})")
+    return effect_line(step.undo, what, unknown_advice="do not undo it another way")
+
+
+def effect_line(effect: EffectState, what: str, *, unknown_advice: str) -> str:
+    """Any effect (a step, an undo) in words: done with evidence, not done with the reason,
+    unknown with when it is checked next."""
+    settlement = effect.settlement
+    match effect.status:
         case StepStatus.DONE:
-            return f"undone: {what} {ref}; evidence {_evidence(undo.settlement.evidence)}"
+            assert settlement is not None
+            return f"done: {what}; evidence {_evidence(settlement.evidence)}"
         case StepStatus.NOT_DONE:
-            return f"undo not done: {what} {ref}; {undo.settlement.reason}"
+            assert settlement is not None
+            return f"not done, safe to try again: {what}; {settlement.reason}"
         case StepStatus.UNKNOWN:
-            reason = undo.settlement.reason if undo.settlement else "no reply"
-            return f"undo unknown, being checked: {what} {ref}; {reason}"
+            reason = (settlement.reason if settlement is not None else None) or "no reply"
+            return (f"unknown, being checked: {what}; {reason}; {next_check_words(effect)}; "
+                    f"{unknown_advice}")
         case StepStatus.IN_FLIGHT:
-            return f"undo in flight: {what} {ref}; attempt {undo.attempts[-1].attempt}"
+            return f"in flight: {what}; attempt {effect.attempts[-1].attempt}"
         case StepStatus.INTENDED:
-            return f"undo decided, not yet attempted: {what} {ref}"
+            return f"decided, not yet attempted: {what}"
+
+
+def next_check_words(effect: EffectState) -> str:
+    check = effect.last_check
+    if check is None:
+        return "the harness is checking"
+    if check.next_check_at is not None:
+        return f"next check at {check.next_check_at:%H:%M:%S}Z"
+    return "no further check is planned: an operator must resolve it"
 
 
 def _evidence(evidence: dict[str, Any] | None) -> str:

@@ -23,7 +23,7 @@ from halfway.contract import Event, FinalState
 from halfway.contract.ids import UNDO_SUFFIX
 from halfway.contract.outcomes import OutcomeChanged, about_key, message_id_for
 from halfway.core.fold import EffectState, StepState, StepStatus, TaskState, TaskStatus, apply
-from halfway.render import step_line
+from halfway.render import step_line, undo_line
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,20 +119,8 @@ def _compensation(step: StepState) -> Change:
     plan, effect = step.compensation, step.undo
     assert plan is not None
     status = effect.status
-    what = f"undo of {step.intent.tool} {step.intent.subject or ''}".strip()
-    what += f" by {plan.tool} (reference {plan.key})"
-    match status:
-        case StepStatus.DONE:
-            words = f"done: {what}; evidence {_evidence(effect)}"
-        case StepStatus.NOT_DONE:
-            words = f"not done, safe to try again: {what}; {_reason(effect)}"
-        case StepStatus.UNKNOWN:
-            words = (f"unknown, being checked: {what}; {_reason(effect) or 'no reply'}; "
-                     f"{_when(effect)}; do not undo it another way")
-        case StepStatus.IN_FLIGHT:
-            words = f"in flight: {what}; attempt {effect.attempts[-1].attempt}"
-        case StepStatus.INTENDED:
-            words = f"decided, not yet attempted: {what}"
+    words = undo_line(step)
+    assert words is not None
     if effect.contradictions:
         words += "; " + _contradiction(effect)
     return Change(task_id=plan.task_id, subject="compensation", step_id=step.step_id,
@@ -167,24 +155,6 @@ def _cause_at(effect: EffectState, status: StepStatus, decided_at: datetime) -> 
         case StepStatus.UNKNOWN:
             facts = [f.at for f in (effect.settlement, effect.last_check) if f is not None]
             return max(facts, default=decided_at)
-
-
-def _when(effect: EffectState) -> str:
-    check = effect.last_check
-    if check is None:
-        return "the harness is checking"
-    if check.next_check_at is not None:
-        return f"next check at {check.next_check_at:%H:%M:%S}Z"
-    return "no further check is planned: an operator must resolve it"
-
-
-def _reason(effect: EffectState) -> str:
-    return (effect.settlement.reason or "") if effect.settlement is not None else ""
-
-
-def _evidence(effect: EffectState) -> str:
-    evidence = effect.settlement.evidence if effect.settlement is not None else None
-    return ", ".join(f"{k}={v}" for k, v in (evidence or {}).items())
 
 
 def _contradiction(effect: EffectState) -> str:

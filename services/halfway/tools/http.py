@@ -15,6 +15,7 @@ that means. How each failure maps, and why:
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Self
 
@@ -28,6 +29,7 @@ from halfway.core.classify import (
     TimedOut,
     Unexpected,
 )
+from halfway.tools.spec import CallResult, Succeeded
 
 CONNECT_TIMEOUT_S_MAX = 2.0  # a local or regional API accepts a connection well within this
 CONNECTIONS_MAX = 100  # httpx's default pool size, named; waiting for a slot is a PoolTimeout
@@ -113,3 +115,26 @@ def replied(response: httpx.Response) -> Replied:
                        message=error.get("message") or "")
     except Exception:
         return Replied(response.status_code, code=None, message=error_text(response))
+
+
+def call_result(response: httpx.Response, done: str,
+                evidence_of: Callable[[dict[str, Any]], dict[str, Any]]) -> CallResult:
+    """What a provider's answer to a create says: `Succeeded` with evidence when it is 2xx and
+    the object it returns is in status `done`; otherwise what it is (a 2xx without a readable
+    object, or one not finished yet, is `Unexpected`: never done without evidence)."""
+    status = response.status_code
+    if 200 <= status < 300:
+        try:
+            made = response.json()
+            evidence = evidence_of(made)
+            made_status = made.get("status")
+        except Exception as exc:
+            # It said yes but not what it did: without evidence this is not done, only unknown.
+            return Unexpected(f"HTTP {status} without a readable object "
+                              f"({type(exc).__name__}: {exc}): {error_text(response)}")
+        if made_status != done:
+            # Stripe answers a decline with 402; a 2xx object still pending is not done yet.
+            return Unexpected(f"HTTP {status} with {made.get('id')} in status "
+                              f"{made_status!r}, not {done!r}")
+        return Succeeded(evidence=evidence, replayed=replayed(response))
+    return replied(response)

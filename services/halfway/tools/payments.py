@@ -21,14 +21,12 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from halfway.contract import EffectClass, SagaRole
-from halfway.core.classify import Unexpected
 from halfway.tools.http import (
     HttpAdapter,
     attempt_budget_s,
+    call_result,
     error_text,
     httpx_timeout,
-    replayed,
-    replied,
 )
 from halfway.tools.spec import (
     CallContext,
@@ -37,7 +35,6 @@ from halfway.tools.spec import (
     LookupFailed,
     LookupResult,
     NotFound,
-    Succeeded,
     ToolSpec,
 )
 
@@ -107,7 +104,7 @@ class PaymentsAdapter(HttpAdapter):
                                        headers={"Idempotency-Key": ctx.key})
         if not isinstance(response, httpx.Response):
             return response
-        return _call_result(response)
+        return call_result(response, "succeeded", _evidence)
 
     async def lookup(self, args: BaseModel, ctx: CallContext) -> LookupResult:
         """Find the charge named by our key. Stripe's search can lag writes (up to a minute,
@@ -145,25 +142,6 @@ def _search_literal(value: str) -> str:
 def _evidence(charge: dict[str, Any]) -> dict[str, Any]:
     return {"charge_id": charge["id"], "amount_cents": charge["amount"],
             "currency": charge["currency"], "provider": PROVIDER}
-
-
-def _call_result(response: httpx.Response) -> CallResult:
-    status = response.status_code
-    if 200 <= status < 300:
-        try:
-            charge = response.json()
-            evidence = _evidence(charge)
-            charge_status = charge.get("status")
-        except Exception as exc:
-            # It said yes but not what it did: without evidence this is not done, only unknown.
-            return Unexpected(f"HTTP {status} without a readable charge "
-                              f"({type(exc).__name__}: {exc}): {error_text(response)}")
-        if charge_status != "succeeded":
-            # Stripe answers a decline with 402; a 2xx charge that is pending is not done yet.
-            return Unexpected(f"HTTP {status} with charge {evidence['charge_id']} "
-                              f"in status {charge_status!r}")
-        return Succeeded(evidence=evidence, replayed=replayed(response))
-    return replied(response)
 
 
 def _settle(charges: list[Any], args: ChargeArgs, key: str) -> LookupResult:

@@ -39,8 +39,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from halfway.contract import CompensationPlan, EffectClass, SagaRole
-from halfway.core.classify import Unexpected
-from halfway.tools.http import HttpAdapter, error_text, replayed, replied
+from halfway.tools.http import HttpAdapter, call_result, error_text
 from halfway.tools.spec import (
     CallContext,
     CallResult,
@@ -48,7 +47,6 @@ from halfway.tools.spec import (
     LookupFailed,
     LookupResult,
     NotFound,
-    Succeeded,
     ToolSpec,
 )
 
@@ -287,7 +285,7 @@ class TravelAdapter(HttpAdapter):
                                        headers={"Idempotency-Key": ctx.key})
         if not isinstance(response, httpx.Response):
             return response
-        return _call_result(response, done, evidence)
+        return call_result(response, done, evidence)
 
     async def _list(self, path: str, params: dict[str, Any],
                     ctx: CallContext) -> list[Any] | LookupFailed:
@@ -313,24 +311,6 @@ class TravelAdapter(HttpAdapter):
 def _segment(provider_id: str) -> str:
     """A provider id as one URL path segment (the args pattern already allows no other)."""
     return quote(provider_id, safe="")
-
-
-def _call_result(response: httpx.Response, done: str, evidence_of: Evidence) -> CallResult:
-    status = response.status_code
-    if 200 <= status < 300:
-        try:
-            made = response.json()
-            evidence = evidence_of(made)
-            made_status = made.get("status")
-        except Exception as exc:
-            # It said yes but not what it did: without evidence this is not done, only unknown.
-            return Unexpected(f"HTTP {status} without a readable object "
-                              f"({type(exc).__name__}: {exc}): {error_text(response)}")
-        if made_status != done:
-            return Unexpected(f"HTTP {status} with {made.get('id')} in status "
-                              f"{made_status!r}, not {done!r}")
-        return Succeeded(evidence=evidence, replayed=replayed(response))
-    return replied(response)
 
 
 def _settle_created(found: list[Any], key: str, noun: str, evidence_of: Evidence,
