@@ -123,14 +123,14 @@ class Decider:
                 await self._write(TaskRejected(**stamp(task_id), reason=reason))
             case Abort(reason=reason):
                 await self._write(TaskAborted(**stamp(task_id), reason=reason, by=saga.HARNESS))
-                self._log.warning("the saga failed; it is called off", reason=reason)
+                self._log.info("the saga failed; it is called off", reason=reason)
             case Compensate(undos=undos, why=why):
                 for n, tool, args in undos:  # last step first
                     sid = step_id(task_id, n)
                     await self._write(CompensationIntended(
                         **stamp(task_id), step_id=sid, tool=tool, args=args,
                         key=mint_undo_key(sid)))
-                self._log.warning("undoing the saga", why=why, steps=[n for n, *_ in undos])
+                self._log.info("undoing the saga", why=why, steps=[n for n, *_ in undos])
             case Finish(state=final, summary=summary):
                 await self._write(TaskFinished(**stamp(task_id), state=final, summary=summary))
             case Ask(n=n) if (task_id, n) not in self._asking:
