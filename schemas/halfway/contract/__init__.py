@@ -3,6 +3,7 @@
 from halfway.contract.events import (
     EVENT_TYPES,
     SCHEMA_VERSION,
+    ClaimWithdrawn,
     CompensationAttempted,
     CompensationChecked,
     CompensationIntended,
@@ -22,6 +23,7 @@ from halfway.contract.events import (
     StepIntended,
     StepRefused,
     StepSettled,
+    SubjectHeld,
     TaskAborted,
     TaskFinished,
     TaskPolicy,
@@ -38,6 +40,7 @@ from halfway.contract.ids import mint_key, mint_undo_key, parse_step_id, step_id
 __all__ = [
     "EVENT_TYPES",
     "SCHEMA_VERSION",
+    "ClaimWithdrawn",
     "CompensationAttempted",
     "CompensationChecked",
     "CompensationIntended",
@@ -57,6 +60,7 @@ __all__ = [
     "StepIntended",
     "StepRefused",
     "StepSettled",
+    "SubjectHeld",
     "TaskAborted",
     "TaskFinished",
     "TaskPolicy",

@@ -123,6 +123,14 @@ class CompensationPlan(_Part):
     args: JsonObject = Field(default_factory=dict)
 
 
+class SubjectHeld(_Part):
+    """Who holds the subject a proposal was blocked on (the subject guard's verdict)."""
+
+    subject: str = Field(min_length=1, max_length=500)
+    tool: str = Field(min_length=1)
+    holder: StepId = Field(description="The step whose claim holds the subject")
+
+
 class DecidedBy(_Part):
     """Which model decided a step: the journal says who chose, not just what."""
 
@@ -208,6 +216,12 @@ class StepIntended(_StepEvent):
     saga_role: SagaRole | None = None
     compensation: CompensationPlan | None = None
     decided_by: DecidedBy
+    claim_id: str | None = Field(
+        None, min_length=1, max_length=64,
+        description="The subject guard claim (the event id of its subject.claimed) this step "
+                    "was placed on. A step whose claim was withdrawn (claim.withdrawn) earlier "
+                    "in the log is never accepted: it was written by a decider that had lost "
+                    "the task")
 
     @model_validator(mode="after")
     def _names_are_minted(self) -> Self:
@@ -230,6 +244,10 @@ class StepRefused(_Event):
     args: JsonObject = Field(default_factory=dict)
     reason: str = Field(min_length=1)
     decided_by: DecidedBy
+    blocked: SubjectHeld | None = Field(
+        None, description="Set when a subject held by another step blocked the proposal: the "
+                          "task waits for that subject's release, then asks again; such a "
+                          "refusal does not count toward the refusal limit")
 
 
 class StepAttempted(_StepEvent):
@@ -253,6 +271,19 @@ class _Settlement(_StepEvent):
     reason: str | None = Field(None, description="Why `not_done`, or why it is `unknown`.")
     source: SettlementSource
     attempt: int | None = Field(None, ge=1, description="The attempt this settles, if one.")
+    effect_id: str | None = Field(
+        None, min_length=1, max_length=255,
+        description="The provider's name for the effect (a charge id, a booking ref). Two "
+                    "done settlements that name different effects contradict each other: "
+                    "the effect may have happened twice")
+    contradiction: str | None = Field(
+        None, min_length=1, max_length=2000,
+        description="Set when this report cannot settle the effect (it names another object, "
+                    "or other amounts than the step asked for): kept as a contradiction for an "
+                    "operator, never taken as the outcome")
+    replayed: bool = Field(
+        False, description="The provider answered from its idempotency store: the answer to an "
+                           "earlier attempt, which a retry with the same key would get again")
 
     @model_validator(mode="after")
     def _outcome_is_substantiated(self) -> Self:
@@ -261,6 +292,8 @@ class _Settlement(_StepEvent):
             raise ValueError("a done settlement must carry evidence")
         if self.outcome is not Outcome.DONE and not self.reason:
             raise ValueError(f"a {self.outcome} settlement must carry a reason")
+        if self.contradiction is not None and self.outcome is Outcome.UNKNOWN:
+            raise ValueError("a contradiction reports done or not_done, never unknown")
         return self
 
 
@@ -274,6 +307,21 @@ class StepChecked(_StepEvent):
     type: Literal["step.checked"] = "step.checked"
     found: str = Field("nothing", description="What the check found, in words.")
     next_check_at: AwareDatetime | None = Field(None, description="None: no further check planned.")
+
+
+class ClaimWithdrawn(_StepEvent):
+    """The decider that owns the task withdraws subject claims of step `step_id` that never
+    became the step (a decider that claimed, then crashed or paused, or another proposal placed
+    instead). It is journaled before the claims are released on the guards topic, so the log
+    orders it against a late `step.intended` of a paused decider: a step that names one of
+    these claims and comes after this record is never accepted. A withdrawal that comes after
+    the step it would void is void itself (the step holds its claim until it settles)."""
+
+    type: Literal["claim.withdrawn"] = "claim.withdrawn"
+    claim_ids: list[str] = Field(min_length=1, max_length=64)
+    subject: str = Field(min_length=1, max_length=500)
+    tool: str = Field(min_length=1)
+    reason: str = Field(min_length=1)
 
 
 class CompensationIntended(_StepEvent):
@@ -340,6 +388,7 @@ Event = Annotated[
     | StepAttempted
     | StepSettled
     | StepChecked
+    | ClaimWithdrawn
     | CompensationIntended
     | CompensationAttempted
     | CompensationSettled
@@ -357,6 +406,7 @@ EVENT_TYPES: tuple[type[BaseModel], ...] = (
     StepAttempted,
     StepSettled,
     StepChecked,
+    ClaimWithdrawn,
     CompensationIntended,
     CompensationAttempted,
     CompensationSettled,
@@ -391,19 +441,30 @@ def encode_event(event: Event) -> bytes:
 
 
 class DeadLetter(BaseModel):
-    """A record that failed validation, kept whole with the reason, never silently dropped."""
+    """A record no service could apply, with the reason and where the original lives.
+
+    The original stays where it is (topics keep everything), so the letter carries a bounded
+    excerpt and a digest of it, never the whole value: a letter always fits the broker,
+    whatever the size of the record it describes."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=_type_is_required)
 
     type: Literal["dead_letter"] = "dead_letter"
     schema_version: Literal[1] = SCHEMA_VERSION
-    reason: str
-    source_topic: str
+    reason: str = Field(max_length=2000)
+    source_topic: str = Field(max_length=255)
     source_partition: int
     source_offset: int
-    key: str | None = Field(None, description="The record's key, decoded as UTF-8 (replaced).")
-    value: str = Field(description="The record's value, decoded as UTF-8 with replacement.")
-    value_b64: str | None = Field(None, description="The raw value, when it was not valid UTF-8.")
-    headers: dict[str, str] = Field(default_factory=dict)
+    key: str | None = Field(None, max_length=1000,
+                            description="The start of the record's key, as UTF-8 (replaced).")
+    value: str = Field(description="The start of the record's value, decoded as UTF-8 with "
+                                   "replacement: an excerpt of at most 2 KiB")
+    value_b64: str | None = Field(None, description="The excerpt's raw bytes, base64, when they "
+                                                    "are not valid UTF-8")
+    value_bytes: int = Field(0, ge=0, description="The size of the whole value, in bytes")
+    value_sha256: str | None = Field(None, description="sha256 of the whole value, hex")
+    truncated: bool = Field(False, description="The excerpt is shorter than the value")
+    headers: dict[str, str] = Field(default_factory=dict, description="At most 16, each cut "
+                                                                      "to 200 characters")
     consumer_group: str | None = None
     at: AwareDatetime

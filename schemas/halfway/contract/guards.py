@@ -47,6 +47,11 @@ class SubjectClaimed(_GuardRecord):
 class SubjectReleased(_GuardRecord):
     type: Literal["subject.released"] = "subject.released"
     release: Release
+    claim_id: str | None = Field(
+        None, min_length=1, max_length=64,
+        description="The claim released (its subject.claimed event id): a release frees the "
+                    "subject only while that very claim holds it, so a late release of an old "
+                    "claim never frees a newer one. None (older records): any claim of the step")
 
 
 GuardRecord = Annotated[SubjectClaimed | SubjectReleased, Field(discriminator="type")]

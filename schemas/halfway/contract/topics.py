@@ -63,7 +63,8 @@ DEAD_LETTERS = TopicSpec(
     1,
     "source topic/partition/offset (the original key is inside)",
     KEEP_FOREVER,
-    "records that failed validation, whole, with the reason",
+    "records no service could apply: the reason, where the original lives, its size and digest, "
+    "and a bounded excerpt",
 )
 
 ALL_TOPICS: tuple[TopicSpec, ...] = (TASKS, JOURNAL, WEBHOOKS, OUTCOMES, GUARDS, DEAD_LETTERS)

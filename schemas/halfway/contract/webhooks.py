@@ -29,6 +29,14 @@ class WebhookReceived(BaseModel):
     payload: dict[str, JsonValue] = Field(description="The provider's event, whole")
     signed_at: AwareDatetime = Field(description="The signature's timestamp (t=)")
     received_at: AwareDatetime
+    journal_partition: int | None = Field(
+        None, ge=0, description="The journal partition of the task our key names")
+    journal_offset: int | None = Field(
+        None, ge=0,
+        description="The end offset of that journal partition when the gateway received the "
+                    "webhook. A provider cannot know our key before we send it, so the webhook "
+                    "is evidence only about an attempt journaled below this offset; anything "
+                    "else is an orphan, quarantined and never applied")
 
     def record_key(self) -> bytes:
         return (self.task_id or self.object_id).encode()
