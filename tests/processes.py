@@ -36,6 +36,7 @@ from halfway.contract.topics import ALL_TOPICS, JOURNAL, TASKS
 from halfway.core.fold import StepStatus, TaskState, apply
 from halfway.journal import JournalWriter, ensure_topics, read_topic
 from halfway.journal.admin import delete_topics
+from halfway.journal.limits import fetch_limits
 from halfway.journal.records import InvalidRecord, decode
 from halfway.settings import KafkaSettings
 
@@ -147,7 +148,8 @@ class JournalWatcher:
     async def start(self) -> None:
         topic = JOURNAL.name(self.settings.topic_prefix)
         self._consumer = AIOKafkaConsumer(bootstrap_servers=self.settings.bootstrap,
-                                          group_id=None, enable_auto_commit=False)
+                                          group_id=None, enable_auto_commit=False,
+                                          **fetch_limits())
         await self._consumer.start()
         tps = [TopicPartition(topic, p) for p in range(JOURNAL.partitions)]
         self._consumer.assign(tps)
@@ -541,3 +543,19 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None],
     if found is not None and report.failed and report.when in ("call", "setup"):
         report.sections.append(("halfway processes", found.tails()))
     return report
+
+
+# --- pauses ---------------------------------------------------------------------------------------
+
+
+def pause(proc: Proc) -> None:
+    """SIGSTOP: the process freezes where it is, heartbeats included. Past its consumer session
+    timeout its group moves its partitions; resumed, it carries on as a zombie until it notices."""
+    if proc.alive:
+        proc.process.send_signal(signal.SIGSTOP)
+
+
+def resume(proc: Proc) -> None:
+    """SIGCONT (harmless for a process that is not stopped)."""
+    if proc.alive:
+        proc.process.send_signal(signal.SIGCONT)

@@ -1,28 +1,57 @@
-"""The journal against the real broker: round trips, dead letters, replay equals live fold."""
+"""The journal: round trips, dead letters (bounded, whatever the record), replay equals live fold.
+
+Tests marked `broker` use the real broker; the rest are pure."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
+from typing import Any
 
 import jsonschema
 import pytest
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.errors import KafkaConnectionError
+from aiokafka.structs import ConsumerRecord, RecordMetadata
+from hypothesis import given
+from hypothesis import strategies as st
 
 from halfway.contract import Event, Outcome, SettlementSource
 from halfway.contract.events import DeadLetter
 from halfway.contract.topics import ALL_TOPICS, DEAD_LETTERS, JOURNAL, TASKS, TopicSpec
 from halfway.core import TaskState, apply
 from halfway.journal import Delivery, EventConsumer, JournalWriter, ensure_topics, replay
+from halfway.journal.admin import delete_topics
+from halfway.journal.deadletters import (
+    DEAD_LETTER_ATTEMPTS,
+    DeadLetters,
+    send_dead_letter,
+)
+from halfway.journal.records import (
+    EXCERPT_BYTES_MAX,
+    LETTER_HEADER_CHARS_MAX,
+    LETTER_HEADERS_MAX,
+    LETTER_KEY_CHARS_MAX,
+    REASON_LENGTH_MAX,
+    REASON_MSG_CHARS_MAX,
+    InvalidRecord,
+    dead_letter,
+    decode,
+    decode_guard,
+    decode_webhook,
+)
 from halfway.settings import KafkaSettings
 from tests.factories import Stamper, one_of_each
 from tests.test_contract import schema_for
 
-pytestmark = pytest.mark.broker
+broker = pytest.mark.broker
 WAIT_S = 60.0  # upper bound for any await on the broker: a hang fails, it never blocks CI
 
 
@@ -63,6 +92,7 @@ def group() -> str:
     return f"test-{uuid.uuid4().hex[:8]}"
 
 
+@broker
 async def test_topics_are_created_with_their_configs_once(topics: KafkaSettings) -> None:
     assert await ensure_topics(topics, ALL_TOPICS) == []  # a second call creates nothing
     admin = AIOKafkaAdminClient(bootstrap_servers=topics.bootstrap)
@@ -80,6 +110,7 @@ async def test_topics_are_created_with_their_configs_once(topics: KafkaSettings)
     assert len(described[0]["partitions"]) == JOURNAL.partitions
 
 
+@broker
 async def test_every_event_type_round_trips_through_the_broker(
     topics: KafkaSettings, writer: JournalWriter,
 ) -> None:
@@ -106,6 +137,7 @@ async def _only(deliveries: AsyncIterator[Delivery], task: str) -> AsyncIterator
             yield d
 
 
+@broker
 async def test_malformed_records_go_to_the_dead_letter_topic_and_the_consumer_goes_on(
     topics: KafkaSettings, writer: JournalWriter,
 ) -> None:
@@ -150,7 +182,7 @@ async def test_malformed_records_go_to_the_dead_letter_topic_and_the_consumer_go
         assert why in letter.reason
         assert letter.source_topic == TASKS.name(topics.topic_prefix)
         if value is not None and letter.value_b64 is None:
-            assert letter.value.encode() == value  # kept whole
+            assert letter.value.encode() == value  # a small value: the excerpt is all of it
     assert letters[3].value_b64 is not None  # the bytes that were not UTF-8, intact
     (misrouted,) = await raw_records(
         topics, DEAD_LETTERS, 1,
@@ -158,6 +190,7 @@ async def test_malformed_records_go_to_the_dead_letter_topic_and_the_consumer_go
     assert "is not the event's task id" in DeadLetter.model_validate_json(misrouted.value).reason
 
 
+@broker
 async def test_a_consumer_resumes_after_what_it_committed(
     topics: KafkaSettings, writer: JournalWriter,
 ) -> None:
@@ -174,6 +207,7 @@ async def test_a_consumer_resumes_after_what_it_committed(
     assert (delivery.event, again.event) == (first, second)
 
 
+@broker
 async def test_replaying_the_journal_from_zero_equals_the_live_fold(
     topics: KafkaSettings, writer: JournalWriter,
 ) -> None:
@@ -215,3 +249,274 @@ async def _only_tasks(deliveries: AsyncIterator[Delivery], tasks: set[str],
                 seen += 1
                 if seen == count:
                     return
+
+
+# --- dead letters: bounded, whatever the record (pure) -------------------------------------------
+
+MEGABYTE = 1_000_000
+LETTER_BYTES_MAX = 16 * 1024  # what a letter may weigh, whatever the record it describes
+
+
+def consumer_record(value: bytes | None, *, key: bytes | None = b"renewal-1",
+                    headers: list[tuple[str, Any]] | None = None, topic: str = "x.tasks",
+                    partition: int = 3, offset: int = 41) -> ConsumerRecord:
+    return ConsumerRecord(topic=topic, partition=partition, offset=offset, timestamp=0,
+                          timestamp_type=0, key=key, value=value, checksum=None,
+                          serialized_key_size=-1 if key is None else len(key),
+                          serialized_value_size=-1 if value is None else len(value),
+                          headers=headers or [])
+
+
+def letter_of(record: ConsumerRecord, reason: str = "why") -> DeadLetter:
+    letter = dead_letter(record, reason, group="g", at=datetime.now(UTC))
+    assert len(letter.model_dump_json().encode()) <= LETTER_BYTES_MAX
+    return DeadLetter.model_validate_json(letter.model_dump_json())  # and it round-trips
+
+
+def test_a_megabyte_that_is_not_utf8_becomes_a_small_letter_with_its_digest() -> None:
+    value = bytes(range(128, 256)) * (MEGABYTE // 128)
+
+    letter = letter_of(consumer_record(value))
+
+    assert (letter.source_topic, letter.source_partition, letter.source_offset) == (
+        "x.tasks", 3, 41)
+    assert letter.value_bytes == len(value)
+    assert letter.value_sha256 == hashlib.sha256(value).hexdigest()
+    assert letter.truncated
+    assert letter.value_b64 is not None
+    assert base64.b64decode(letter.value_b64) == value[:EXCERPT_BYTES_MAX]
+    assert letter.value == value[:EXCERPT_BYTES_MAX].decode("utf-8", errors="replace")
+
+
+def test_a_character_cut_at_the_excerpt_boundary_is_not_called_invalid() -> None:
+    value = ("a" * (EXCERPT_BYTES_MAX - 1) + "é" * 1000).encode()  # é's 2 bytes straddle it
+
+    letter = letter_of(consumer_record(value))
+
+    assert letter.value_b64 is None
+    assert letter.value == "a" * (EXCERPT_BYTES_MAX - 1)
+    assert (letter.truncated, letter.value_bytes) == (True, len(value))
+
+
+def test_a_cut_character_at_the_very_end_of_a_whole_value_is_invalid() -> None:
+    letter = letter_of(consumer_record(b'{"id": "caf\xc3'))
+
+    assert letter.value_b64 == base64.b64encode(b'{"id": "caf\xc3').decode()
+    assert letter.value == '{"id": "caf\ufffd'
+    assert not letter.truncated
+
+
+def test_a_tombstone_is_a_letter_too() -> None:
+    letter = letter_of(consumer_record(None), "the record has no value (a tombstone)")
+
+    assert (letter.value, letter.value_b64, letter.value_bytes, letter.value_sha256,
+            letter.truncated) == ("", None, 0, None, False)
+    assert "tombstone" in letter.reason
+
+
+def test_the_key_the_headers_and_the_reason_are_cut() -> None:
+    headers = [(f"h{i}", b"v" * 1000) for i in range(100)] + [("empty", None)]
+
+    letter = letter_of(consumer_record(b"{}", key=b"k" * MEGABYTE, headers=headers),
+                       reason="r" * 10_000)
+
+    assert letter.key == "k" * LETTER_KEY_CHARS_MAX
+    assert list(letter.headers) == [f"h{i}" for i in range(LETTER_HEADERS_MAX)]
+    assert all(v == "v" * LETTER_HEADER_CHARS_MAX for v in letter.headers.values())
+    assert len(letter.reason) == REASON_LENGTH_MAX
+
+
+def test_a_header_without_a_value_does_not_break_a_letter() -> None:
+    letter = letter_of(consumer_record(b"{}", headers=[("type", None)]))
+
+    assert letter.headers == {"type": ""}
+
+
+@given(value=st.binary(max_size=3 * EXCERPT_BYTES_MAX) | st.text(max_size=1500).map(str.encode))
+def test_the_excerpt_is_the_values_start_and_b64_only_for_what_is_not_utf8(value: bytes) -> None:
+    letter = dead_letter(consumer_record(value), "why", group=None, at=datetime.now(UTC))
+
+    head = value[:EXCERPT_BYTES_MAX]
+    assert letter.truncated == (len(value) > EXCERPT_BYTES_MAX)
+    if letter.value_b64 is None:  # the excerpt is text the value starts with, at most one
+        excerpt = letter.value.encode()  # character short of the cut
+        assert head.startswith(excerpt)
+        assert len(head) - len(excerpt) < (4 if letter.truncated else 1)
+    else:
+        assert base64.b64decode(letter.value_b64) == head
+        with pytest.raises(UnicodeDecodeError):
+            value.decode("utf-8")
+    try:
+        value.decode("utf-8")
+    except UnicodeDecodeError:
+        pass
+    else:
+        assert letter.value_b64 is None
+
+
+def _requested_doc(**extra: Any) -> dict[str, Any]:
+    return {"type": "task.requested", "event_id": uuid.uuid4().hex, "task_id": "renewal-1",
+            "at": "2026-12-02T09:00:00Z", **extra}
+
+
+@pytest.mark.parametrize(("value", "key", "words"), [
+    pytest.param(json.dumps({"type": "x" * MEGABYTE}).encode(), None, "does not match",
+                 id="a-megabyte-tag"),
+    pytest.param(json.dumps(_requested_doc(**{"y" * MEGABYTE: 1})).encode(), None,
+                 "Extra inputs are not permitted", id="a-megabyte-field-name"),
+    pytest.param(json.dumps(_requested_doc(typo="z" * MEGABYTE)).encode(), None,
+                 "task.requested.typo: Extra inputs are not permitted", id="one-unknown-field"),
+    pytest.param(json.dumps(_requested_doc(allowed_tools=[1] * 200_000)).encode(), None,
+                 "200000 errors", id="200000-errors"),
+    pytest.param(json.dumps(_requested_doc()).encode(), b"k" * MEGABYTE,
+                 "is not the event's task id", id="a-megabyte-key"),
+    pytest.param(b"[" * 250 + b"]" * 250, None, "recursion limit", id="nested-250-deep"),
+    pytest.param(b"\xff" * MEGABYTE, None, "Invalid JSON", id="not-utf8"),
+])
+def test_the_reason_for_a_huge_invalid_record_is_bounded(value: bytes, key: bytes | None,
+                                                           words: str) -> None:
+    for decoder in (decode, decode_webhook, decode_guard):
+        with pytest.raises(InvalidRecord) as refused:
+            decoder(consumer_record(value, key=key))
+        assert len(refused.value.reason) <= REASON_LENGTH_MAX
+        longer = REASON_MSG_CHARS_MAX + 1  # the input is quoted, if at all, cut to less
+        assert "x" * longer not in refused.value.reason
+        assert "y" * longer not in refused.value.reason
+        assert "k" * longer not in refused.value.reason
+        if decoder is decode:
+            assert words in refused.value.reason
+
+
+# --- writing dead letters: retried, then skipped, never fatal ------------------------------------
+
+
+class Recorder:
+    """A logger that keeps what it was told (structlog's capture misses cached loggers)."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, str, dict[str, Any]]] = []
+
+    def _keep(self, level: str) -> Callable[..., None]:
+        return lambda event, **kw: self.lines.append((level, event, kw))
+
+    def __getattr__(self, level: str) -> Callable[..., None]:
+        return self._keep(level)
+
+    def at(self, level: str) -> list[tuple[str, dict[str, Any]]]:
+        return [(event, kw) for lvl, event, kw in self.lines if lvl == level]
+
+
+class FlakyWriter:
+    """Fails the first `failures` dead letters (or all with None); other writes go through."""
+
+    def __init__(self, inner: Any = None, failures: int | None = None,
+                 error: BaseException | None = None) -> None:
+        self.inner = inner
+        self.failures = failures
+        self.error = error or KafkaConnectionError("the broker is gone")
+        self.letters: list[tuple[bytes | None, bytes | None]] = []
+        self.calls = 0
+
+    async def append_raw(self, spec: TopicSpec, value: bytes | None, *, key: bytes | None = None,
+                         headers: list[tuple[str, bytes]] | None = None) -> RecordMetadata:
+        if spec is DEAD_LETTERS:
+            self.calls += 1
+            if self.failures is None or self.calls <= self.failures:
+                raise self.error
+            self.letters.append((key, value))
+            tp = TopicPartition(DEAD_LETTERS.name(), 0)
+            return RecordMetadata(tp.topic, tp.partition, tp, len(self.letters) - 1, None, 0,
+                                  None)
+        return await self.inner.append_raw(spec, value, key=key, headers=headers)
+
+
+async def test_a_letter_that_cannot_be_written_is_retried_then_skipped_with_an_error() -> None:
+    writer, logger = FlakyWriter(), Recorder()
+    value = b"\xff" * MEGABYTE
+
+    ok = await send_dead_letter(writer, consumer_record(value), "invalid event: bytes",
+                                group="g", logger=logger, backoff_s=0)  # type: ignore[arg-type]
+
+    assert ok is False
+    assert writer.calls == DEAD_LETTER_ATTEMPTS
+    assert len(logger.at("warning")) == DEAD_LETTER_ATTEMPTS  # each failed attempt
+    [(event, fields)] = logger.at("error")
+    assert event == "dead letter lost: record skipped"
+    assert (fields["topic"], fields["partition"], fields["offset"], fields["size_bytes"]) == (
+        "x.tasks", 3, 41, MEGABYTE)
+    assert fields["sha256"] == hashlib.sha256(value).hexdigest()
+    assert "KafkaConnectionError" in fields["error"]
+
+
+async def test_a_letter_is_written_on_a_later_attempt_keyed_by_where_the_record_is() -> None:
+    writer, logger = FlakyWriter(failures=1), Recorder()
+    letters = DeadLetters(writer, group="g", logger=logger, backoff_s=0)  # type: ignore[arg-type]
+
+    assert await letters.send(consumer_record(b"nope"), "invalid event: nope")
+
+    assert (letters.written, letters.failed, writer.calls) == (1, 0, 2)
+    [(key, value)] = writer.letters
+    assert key == b"x.tasks/3/41"
+    assert value is not None
+    assert DeadLetter.model_validate_json(value).reason == "invalid event: nope"
+
+
+async def test_a_letter_attempt_that_hangs_is_given_up_on() -> None:
+    class Hanging:
+        async def append_raw(self, *args: Any, **kwargs: Any) -> RecordMetadata:
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+    logger = Recorder()
+    ok = await asyncio.wait_for(send_dead_letter(
+        Hanging(), consumer_record(b"x"), "why", group=None, logger=logger,  # type: ignore[arg-type]
+        backoff_s=0, attempt_timeout_s=0.01), WAIT_S)
+
+    assert ok is False
+    assert [event for event, _ in logger.at("error")] == ["dead letter lost: record skipped"]
+
+
+async def test_cancelling_a_letter_is_not_swallowed() -> None:
+    writer = FlakyWriter(error=asyncio.CancelledError())
+    with pytest.raises(asyncio.CancelledError):
+        await send_dead_letter(writer, consumer_record(b"x"), "why", group=None,
+                               logger=Recorder(), backoff_s=0)  # type: ignore[arg-type]
+    assert writer.calls == 1
+
+
+@pytest.fixture
+async def own_topics(kafka_settings: KafkaSettings) -> AsyncIterator[KafkaSettings]:
+    """A tasks topic (and dead letters) of this test's own: nothing else in them."""
+    settings = KafkaSettings(kafka_settings.bootstrap, f"own-{uuid.uuid4().hex[:8]}.",
+                             kafka_settings.replication_factor)
+    await ensure_topics(settings, (TASKS, DEAD_LETTERS))
+    yield settings
+    await delete_topics(settings, (TASKS, DEAD_LETTERS))
+
+
+@broker
+async def test_a_consumer_whose_dead_letters_fail_skips_the_record_and_goes_on(
+    own_topics: KafkaSettings,
+) -> None:
+    task = f"unlettered-{uuid.uuid4().hex[:8]}"
+    after = Stamper(task).requested()
+    logger = Recorder()
+    async with JournalWriter(own_topics) as writer:
+        bad = await writer.append_raw(TASKS, b"\xff not an event", key=task.encode())
+        await writer.append(after, TASKS)
+        failing = FlakyWriter(writer)
+        async with EventConsumer(own_topics, topics=(TASKS,), group=group(),
+                                 writer=failing) as consumer:  # type: ignore[arg-type]
+            consumer.dead_letters = DeadLetters(
+                failing, group=consumer.group, logger=logger,  # type: ignore[arg-type]
+                backoff_s=0.01)
+            (delivery,) = await take(consumer.deliveries(), 1)
+
+    assert delivery.event == after
+    assert (consumer.dead_letters.written, consumer.dead_letters.failed) == (0, 1)
+    assert consumer.dead_lettered == 1
+    assert failing.calls == DEAD_LETTER_ATTEMPTS
+    [(event, fields)] = logger.at("error")
+    assert event == "dead letter lost: record skipped"
+    assert (fields["topic"], fields["partition"], fields["offset"]) == (
+        TASKS.name(own_topics.topic_prefix), bad.partition, bad.offset)

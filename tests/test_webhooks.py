@@ -1,4 +1,5 @@
-"""Webhooks: Stripe-style signatures, the gateway against the real broker, paysim's deliveries.
+"""Webhooks: Stripe-style signatures, the gateway (offline with a fake writer and against the
+real broker), paysim's deliveries.
 
 Whether a refused request published nothing is proven per test, not assumed: we note the end of
 every partition of the webhooks topic, send the bad request, then a valid sentinel (answered 200
@@ -9,6 +10,7 @@ sentinel must be the only record there. Waits are bounded polls, never fixed sle
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -21,13 +23,27 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaTimeoutError, MessageSizeTooLargeError
+from aiokafka.structs import ConsumerRecord, RecordMetadata
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from halfway.contract.topics import WEBHOOKS
+from halfway.contract.topics import JOURNAL, WEBHOOKS, TopicSpec
 from halfway.contract.webhooks import WebhookReceived, parse_webhook
 from halfway.gateway import make_app
+from halfway.gateway.app import RECORD_BYTES_MAX, _Malformed, _read_event, _record
 from halfway.journal import JournalWriter
+from halfway.journal.records import decode_webhook
+from halfway.journal.replay import partition_of
 from halfway.settings import KafkaSettings
-from halfway.webhooks.signature import SignatureError, sign, signature, verify
+from halfway.webhooks.signature import (
+    TIMESTAMP_DIGITS_MAX,
+    SignatureError,
+    sign,
+    signature,
+    verify,
+)
+from tests.factories import Stamper
 from tests.test_payment_simulator import _simulator
 
 SECRET = "whsec_test_webhooks"
@@ -114,6 +130,9 @@ def test_any_v1_may_match_while_a_secret_is_rolled() -> None:
     (f"t={T0},v0={'0' * 64}", "no_v1", "no v1 signature"),
     ("t=1," + ",".join(["v1=00"] * 17), "garbled", "more than 16"),
     (f"t={T0},v1=é{'0' * 63}", "mismatch", "no v1 signature matches"),  # non-ASCII: no crash
+    # 5000 digits would not even convert to an int (Python's 4300-digit limit): not a 500
+    (f"t={'9' * 5000},v1={'0' * 64}", "garbled", f"more than {TIMESTAMP_DIGITS_MAX} digits"),
+    (f"t={'1' * (TIMESTAMP_DIGITS_MAX + 1)},v1={'0' * 64}", "garbled", "digits"),
 ])
 def test_a_missing_or_garbled_header_is_refused_with_its_reason(
         header: str | None, kind: str, words: str) -> None:
@@ -121,6 +140,12 @@ def test_a_missing_or_garbled_header_is_refused_with_its_reason(
         verify(b"{}", header, SECRET, now_s=T0)
     assert refused.value.kind == kind
     assert words in refused.value.reason
+
+
+@given(header=st.text(max_size=300) | st.from_regex(r"t=[0-9]{0,30},v1=[0-9a-f]{0,70}"))
+def test_any_header_is_verified_or_refused_never_an_error(header: str) -> None:
+    with contextlib.suppress(SignatureError):  # anything else (ValueError: a 500) fails
+        verify(b"{}", header, SECRET, now_s=T0)
 
 
 # --- helpers for the broker tests ----------------------------------------------------------------
@@ -235,6 +260,225 @@ async def only_the_sentinel_follows(client: httpx.AsyncClient, settings: KafkaSe
     assert [hook.provider_event_id for _, hook in published] == [*before, sentinel["id"]]
 
 
+# --- the gateway, offline: a fake writer and a fake journal ---------------------------------------
+
+OFFLINE = KafkaSettings("127.0.0.1:9", "offline.", 1)  # never connected to
+
+
+class FakeWriter:
+    """Keeps what would be published; fails with `error` if set."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]] = []
+        self.error: BaseException | None = None
+
+    async def append_raw(self, spec: TopicSpec, value: bytes | None, *, key: bytes | None = None,
+                         headers: list[tuple[str, bytes]] | None = None) -> RecordMetadata:
+        assert spec is WEBHOOKS
+        if self.error is not None:
+            raise self.error
+        self.records.append((key, value, headers or []))
+        tp = TopicPartition(WEBHOOKS.name(OFFLINE.topic_prefix), 0)
+        return RecordMetadata(tp.topic, 0, tp, len(self.records) - 1, None, 0, None)
+
+    def published(self) -> list[WebhookReceived]:
+        """What was published, read back as the reconciler reads it."""
+        return [decode_webhook(ConsumerRecord(
+            topic=WEBHOOKS.name(OFFLINE.topic_prefix), partition=0, offset=n, timestamp=0,
+            timestamp_type=0, key=key, value=value, checksum=None, serialized_key_size=0,
+            serialized_value_size=0, headers=headers))
+            for n, (key, value, headers) in enumerate(self.records)]
+
+
+class FakeJournal:
+    """Where the journal ends, as told: `ends` per task, or `error`."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+        self.offset = 41
+        self.error: BaseException | None = None
+
+    async def end_of(self, task_id: str) -> tuple[int, int]:
+        self.asked.append(task_id)
+        if self.error is not None:
+            raise self.error
+        return partition_of(task_id.encode(), JOURNAL.partitions), self.offset
+
+
+class Offline:
+    def __init__(self, client: httpx.AsyncClient, writer: FakeWriter,
+                 journal: FakeJournal) -> None:
+        self.client, self.writer, self.journal = client, writer, journal
+
+
+@pytest.fixture
+async def offline() -> AsyncIterator[Offline]:
+    writer, journal = FakeWriter(), FakeJournal()
+    server = TestServer(make_app(OFFLINE, writer, {"paysim": SECRET},  # type: ignore[arg-type]
+                                 journal=journal))
+    await server.start_server()
+    try:
+        async with httpx.AsyncClient(base_url=str(server.make_url("")),
+                                     timeout=HTTP_TIMEOUT_S) as client:
+            yield Offline(client, writer, journal)
+    finally:
+        await server.close()
+
+
+async def post_body(client: httpx.AsyncClient, body: bytes) -> httpx.Response:
+    return await post(client, body, sign(body, SECRET, int(time.time())))
+
+
+def nested(depth: int) -> Any:
+    value: Any = "deep"
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+async def test_a_webhook_naming_a_task_is_stamped_with_where_its_journal_ends(
+        offline: Offline) -> None:
+    task_id = _new_task()
+    event = charge_event(f"{task_id}:2")
+    offline.journal.offset = 1234
+
+    response = await post_signed(offline.client, event)
+
+    assert response.status_code == 200, response.text
+    [hook] = offline.writer.published()
+    assert offline.journal.asked == [task_id]
+    assert (hook.task_id, hook.journal_partition, hook.journal_offset) == (
+        task_id, partition_of(task_id.encode(), JOURNAL.partitions), 1234)
+
+
+async def test_a_webhook_naming_no_task_is_not_stamped(offline: Offline) -> None:
+    response = await post_signed(offline.client, charge_event(None))
+
+    assert response.status_code == 200, response.text
+    [hook] = offline.writer.published()
+    assert (hook.task_id, hook.journal_partition, hook.journal_offset) == (None, None, None)
+    assert offline.journal.asked == []
+
+
+async def test_when_the_journal_end_cannot_be_read_nothing_is_published_and_it_is_503(
+        offline: Offline) -> None:
+    event = charge_event(f"{_new_task()}:1")
+    body = encode(event)
+    header = sign(body, SECRET, int(time.time()))
+    offline.journal.error = KafkaTimeoutError()
+
+    refused = await post(offline.client, body, header)
+
+    assert refused.status_code == 503
+    assert "journal's end" in refused.json()["error"]
+    assert offline.writer.records == []
+    offline.journal.error = None  # the provider retries (the same request): not a replay
+    assert (await post(offline.client, body, header)).status_code == 200
+    assert [h.provider_event_id for h in offline.writer.published()] == [event["id"]]
+
+
+def _event_with(**fields: Any) -> Callable[[dict[str, Any]], bytes]:
+    def make(event: dict[str, Any]) -> bytes:
+        return encode(event | fields)
+    return make
+
+
+def _object_with(**fields: Any) -> Callable[[dict[str, Any]], bytes]:
+    def make(event: dict[str, Any]) -> bytes:
+        event["data"]["object"] |= fields
+        return encode(event)
+    return make
+
+
+@pytest.mark.parametrize(("make_body", "status", "words"), [
+    # Accepted by json and by the model, refused by the reconciler's decoder: 400, not lost.
+    pytest.param(_object_with(lines=nested(250)), 400, "recursion limit", id="nested-250-deep"),
+    pytest.param(lambda event: _object_with(lines="@@")(event).replace(
+        b'"@@"', b"[" * 1500 + b"]" * 1500), 400, "not JSON", id="nested-1500-deep"),
+    # JSON may escape a lone surrogate; it is not Unicode, so it cannot be recorded: for good.
+    pytest.param(lambda event: encode(event).replace(b'"object": "charge"',
+                                                     b'"object": "\\ud800"'),
+                 400, "cannot be recorded", id="lone-surrogate"),
+    pytest.param(lambda event: encode(event).replace(b'"type": "charge',
+                                                     b'"type": "\\udfff charge'),
+                 400, "cannot be recorded", id="lone-surrogate-in-type"),
+    # The record holds the id three times (payload, field, header): too big for the journal.
+    pytest.param(_event_with(id="evt_" + "9" * 900_000), 413, "more than", id="900kb-event-id"),
+    pytest.param(lambda event: encode(event).replace(b'"amount": 4900', b'"amount": 1e400'),
+                 400, "out of range", id="float-overflow"),
+    pytest.param(lambda event: encode(event).replace(b'"amount": 4900',
+                                                     b'"amount": ' + b"9" * 5000),
+                 400, "not JSON", id="5000-digit-int"),
+])
+async def test_a_body_the_journal_cannot_keep_is_refused_for_good_never_503(
+        offline: Offline, make_body: Callable[[dict[str, Any]], bytes], status: int,
+        words: str) -> None:
+    body = make_body(charge_event(f"{_new_task()}:1"))
+    assert len(body) < 1024 * 1024  # under the body limit: the record is the problem
+
+    response = await post_body(offline.client, body)
+
+    assert response.status_code == status, response.text
+    assert words in response.json()["error"]
+    assert offline.writer.records == []
+
+
+async def test_a_garbled_timestamp_of_5000_digits_is_400(offline: Offline) -> None:
+    body = encode(charge_event(f"{_new_task()}:1"))
+
+    response = await post(offline.client, body, f"t={'9' * 5000},v1={'0' * 64}")
+
+    assert response.status_code == 400
+    assert "garbled" in response.json()["error"]
+
+
+@pytest.mark.parametrize(("error", "status"), [
+    (KafkaTimeoutError(), 503),  # the broker: the provider retries
+    (MessageSizeTooLargeError(), 413),  # not the broker's fault: retrying cannot help
+])
+async def test_only_a_broker_failure_is_503(offline: Offline, error: BaseException,
+                                            status: int) -> None:
+    offline.writer.error = error
+
+    response = await post_signed(offline.client, charge_event(f"{_new_task()}:1"))
+
+    assert response.status_code == status
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+    | st.text(st.characters(codec="utf-8") | st.sampled_from(["\ud800", "\udfff"])),
+    lambda children: st.lists(children, max_size=3)
+    | st.dictionaries(st.text(max_size=5), children, max_size=3),
+    max_leaves=30)
+
+
+@settings(max_examples=200, deadline=None)
+@given(extra=_json, event_id=st.text(max_size=20), depth=st.integers(0, 260))
+def test_any_event_is_recorded_so_the_reconciler_reads_it_or_refused(
+        extra: Any, event_id: str, depth: int) -> None:
+    event = charge_event(f"{_new_task()}:1")
+    event["id"] = event_id
+    event["data"]["object"]["extra"] = extra
+    event["data"]["object"]["deep"] = nested(depth)
+    try:
+        body = json.dumps(event).encode("utf-8", "surrogatepass")
+    except UnicodeEncodeError:  # pragma: no cover - surrogatepass encodes everything
+        return
+    refused: _Malformed | None = None
+    try:
+        received = _read_event("paysim", body, T0)
+        record = _record(OFFLINE, received)
+    except _Malformed as exc:
+        refused = exc
+    if refused is not None:
+        assert refused.status in (400, 413)
+        assert refused.reason
+    else:
+        assert len(record.value) <= RECORD_BYTES_MAX
+        assert parse_webhook(record.value) == received
+
+
 # --- the gateway, against the broker -------------------------------------------------------------
 
 
@@ -270,6 +514,25 @@ async def test_a_valid_event_is_published_with_its_key_and_whole_payload(
                                         valid_key, task_id)
     assert hook.payload == event
     assert int(hook.signed_at.timestamp()) == signed_at_s
+    if task_id is None:
+        assert (hook.journal_partition, hook.journal_offset) == (None, None)
+    else:
+        assert hook.journal_partition == partition_of(task_id.encode(), JOURNAL.partitions)
+        assert hook.journal_offset is not None
+
+
+@broker
+async def test_the_stamp_is_where_the_tasks_journal_partition_ends_when_it_arrives(
+        gateway: httpx.AsyncClient, topics: KafkaSettings, writer: JournalWriter) -> None:
+    task_id = _new_task()
+    last = await writer.append(Stamper(task_id).started())  # the task's latest journal record
+    since = await topic_ends(topics)
+
+    response = await post_signed(gateway, charge_event(f"{task_id}:1"))
+
+    assert response.status_code == 200, response.text
+    [(_, hook)] = await published_since(topics, since)
+    assert (hook.journal_partition, hook.journal_offset) == (last.partition, last.offset + 1)
 
 
 @broker

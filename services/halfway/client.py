@@ -34,6 +34,7 @@ from halfway.contract.topics import JOURNAL, OUTCOMES, TASKS
 from halfway.core.fold import TaskState, TaskStatus, apply
 from halfway.journal import JournalWriter
 from halfway.journal.admin import topic_partitions
+from halfway.journal.limits import fetch_limits
 from halfway.journal.records import InvalidRecord, decode, stamp
 from halfway.journal.replay import partition_of
 from halfway.journal.replay import task_state as replay_task_state
@@ -128,7 +129,8 @@ class OutcomeStream:
         numbers = (range(count) if self.task_id is None
                    else [partition_of(self.task_id.encode(), count)])
         consumer = AIOKafkaConsumer(bootstrap_servers=self.settings.bootstrap, group_id=None,
-                                    enable_auto_commit=False, isolation_level="read_committed")
+                                    enable_auto_commit=False, isolation_level="read_committed",
+                                    **fetch_limits())
         await consumer.start()
         tps = [TopicPartition(topic, p) for p in numbers]
         consumer.assign(tps)
@@ -190,7 +192,8 @@ async def _follow_until_over(settings: KafkaSettings, task_id: str) -> TaskState
     count = await _partition_count(settings, topic)
     tp = TopicPartition(topic, partition_of(task_id.encode(), count))
     consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap, group_id=None,
-                                enable_auto_commit=False, isolation_level="read_committed")
+                                enable_auto_commit=False, isolation_level="read_committed",
+                                **fetch_limits())
     await consumer.start()
     state = TaskState(task_id=task_id)
     try:

@@ -5,12 +5,21 @@ a Stripe-style event, and publishes one `WebhookReceived` to the webhooks topic,
 `record_key()`. It answers 200 only once the broker has the record (acks=all): a provider that
 got 200 may forget the event, so we must not lose it after answering.
 
-Refusals publish and remember nothing, and say why in `{"error": ...}`:
+The record is built whole before anything is published and read back with the reconciler's own
+decoder (`decode_webhook`): what the gateway answers 200 for, the reconciler can read. When our
+key names a task, the record is stamped with that task's journal partition and the partition's
+end offset, read after the body was verified and before publishing: a provider cannot know our
+key before we send it, so the webhook is evidence only about an attempt journaled below it.
+
+Refusals publish and remember nothing, and say why in `{"error": ...}`. A 4xx is permanent (the
+same request would be refused again); only a broker failure is a 503, which providers retry:
 - 404: a provider we have no secret for;
-- 400: no, garbled, forged, stale or future signature; a body that is not such an event;
+- 400: no, garbled, forged, stale or future signature; a body that is not such an event, or
+  that the reconciler could not read back (nested too deep, text that is not Unicode, ...);
 - 409: a replay, i.e. the exact `Stripe-Signature` value of a request we already accepted, still
   inside the tolerance window (a captured request re-sent: the provider re-signs each retry);
-- 503: the broker did not take the record in time; the provider retries.
+- 413: a body, or the record made of it, larger than the journal takes;
+- 503: the broker did not answer (the journal's end offset, or the publish) in time.
 
 A provider's redelivery of an event we already published (a new signature, the same event id)
 is answered 200 `{"duplicate": true}` and not published again. Both memories (signatures and
@@ -23,24 +32,34 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import signal
 import socket
 import time
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import MessageSizeTooLargeError
+from aiokafka.record.default_records import DefaultRecordBatchBuilder
+from aiokafka.structs import ConsumerRecord
 from pydantic import ValidationError
 from structlog.typing import FilteringBoundLogger
 
 from halfway import log
 from halfway.contract.ids import KEY_PATTERN, UNDO_SUFFIX, parse_step_id
-from halfway.contract.topics import WEBHOOKS
+from halfway.contract.topics import JOURNAL, WEBHOOKS
 from halfway.contract.webhooks import WebhookReceived
 from halfway.journal import JournalWriter, ensure_topics
+from halfway.journal.admin import topic_partitions
+from halfway.journal.limits import WRITER_RECORD_BYTES_MAX
+from halfway.journal.records import InvalidRecord, decode_webhook, describe
+from halfway.journal.replay import partition_of
 from halfway.settings import KafkaSettings, gateway_host, gateway_port, paysim_webhook_secret
 from halfway.webhooks.signature import TOLERANCE_S_DEFAULT, SignatureError, verify
 
@@ -52,6 +71,12 @@ MEMORY_ENTRIES_MAX = 100_000  # per memory; past it the oldest entry is forgotte
 SIGNATURE_MEMORY_TOLERANCES = 2
 EVENT_IDS_KEPT_S = 86_400.0  # Stripe retries for days; a day of ids catches most redeliveries
 PUBLISH_TIMEOUT_S = 30.0  # then 503: the provider retries (the record may still land: dupe)
+# Reading where the journal ends is one round trip to a healthy broker; past this, 503.
+JOURNAL_END_TIMEOUT_S = 5.0
+# The largest record we publish: the writer's limit (aiokafka's estimate of the record with its
+# batch overhead), less room for the stamp added after the first check (two integers).
+RECORD_HEADROOM_BYTES = 1024
+RECORD_BYTES_MAX = WRITER_RECORD_BYTES_MAX - RECORD_HEADROOM_BYTES
 SHUTDOWN_TIMEOUT_S = 5.0
 ERROR_CHARS_MAX = 500
 
@@ -94,6 +119,46 @@ class _Memory:
         return len(self._entries)
 
 
+class JournalEnds(Protocol):
+    async def end_of(self, task_id: str) -> tuple[int, int]:
+        """(journal partition of the task, that partition's end offset now)."""
+        ...
+
+
+class KafkaJournalEnds:
+    """Where the journal ends now, for the partition a task's events go to. The partition
+    count is read once, at start; the end offset on every call (read_committed: what a
+    follower of the journal can see)."""
+
+    def __init__(self, settings: KafkaSettings, timeout_s: float = JOURNAL_END_TIMEOUT_S,
+                 ) -> None:
+        self.settings = settings
+        self.topic = JOURNAL.name(settings.topic_prefix)
+        self.timeout_s = timeout_s
+        self.partitions = 0
+        self._consumer: AIOKafkaConsumer | None = None
+
+    async def start(self) -> None:
+        self.partitions = len(await topic_partitions(self.settings.bootstrap, self.topic))
+        self._consumer = AIOKafkaConsumer(bootstrap_servers=self.settings.bootstrap,
+                                          group_id=None, enable_auto_commit=False,
+                                          isolation_level="read_committed")
+        await self._consumer.start()
+
+    async def stop(self) -> None:
+        if self._consumer is not None:
+            await self._consumer.stop()
+
+    async def end_of(self, task_id: str) -> tuple[int, int]:
+        if self._consumer is None:
+            raise RuntimeError("the journal's ends are read only between start and stop")
+        # The partition the writer's default partitioner gives the task id (the journal key).
+        tp = TopicPartition(self.topic, partition_of(task_id.encode(), self.partitions))
+        async with asyncio.timeout(self.timeout_s):
+            ends = await self._consumer.end_offsets([tp])
+        return tp.partition, ends[tp]
+
+
 @dataclass
 class Gateway:
     """What the handlers share: where to publish, the secrets and the two memories."""
@@ -102,6 +167,7 @@ class Gateway:
     writer: JournalWriter
     secrets: dict[str, str]
     tolerance_s: float = TOLERANCE_S_DEFAULT
+    journal: JournalEnds | None = None  # None: webhooks that name a task cannot be stamped
     signatures: _Memory = field(init=False)
     event_ids: _Memory = field(init=False)
     # Event ids being published right now, so a concurrent redelivery waits for the outcome
@@ -119,7 +185,19 @@ GATEWAY = web.AppKey("gateway", Gateway)
 
 
 class _Malformed(Exception):
-    pass
+    """A request refused for good: `status` (4xx) and the reason, for the provider."""
+
+    def __init__(self, reason: str, status: int = 400) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class _Record:
+    key: bytes
+    value: bytes
+    headers: list[tuple[str, bytes]]
 
 
 def _refuse(status: int, reason: str) -> web.Response:
@@ -128,6 +206,13 @@ def _refuse(status: int, reason: str) -> web.Response:
 
 def _reject_constant(name: str) -> Any:
     raise _Malformed(f"the body is not JSON: {name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):  # 1e400: JSON would say null where the provider said 1e400
+        raise _Malformed(f"the body is not JSON we can keep: {text[:40]} is out of range")
+    return number
 
 
 def _text(value: Any, where: str) -> str:
@@ -148,9 +233,9 @@ def _task_of(key: Any) -> tuple[str | None, str | None]:
 def _read_event(provider: str, body: bytes, signed_at_s: int) -> WebhookReceived:
     """The record to publish for a Stripe-style event body; _Malformed if it is not one."""
     try:
-        event = json.loads(body, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, nesting
-        raise _Malformed(f"the body is not JSON: {exc}") from exc
+        event = json.loads(body, parse_constant=_reject_constant, parse_float=_finite)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, nesting,
+        raise _Malformed(f"the body is not JSON: {exc}") from exc  # an int of 5000 digits
     if not isinstance(event, dict):
         raise _Malformed("the body is not a JSON object")
     data = event.get("data")
@@ -159,18 +244,49 @@ def _read_event(provider: str, body: bytes, signed_at_s: int) -> WebhookReceived
         raise _Malformed("the event has no data.object")
     metadata = obj.get("metadata")
     key, task_id = _task_of(metadata.get("halfway_key") if isinstance(metadata, dict) else None)
+    provider_event_id = _text(event.get("id"), "id")
+    provider_event_type = _text(event.get("type"), "type")
+    object_id = _text(obj.get("id"), "data.object.id")
     try:
         return WebhookReceived(
             provider=provider,
-            provider_event_id=_text(event.get("id"), "id"),
-            provider_event_type=_text(event.get("type"), "type"),
-            object_id=_text(obj.get("id"), "data.object.id"),
+            provider_event_id=provider_event_id,
+            provider_event_type=provider_event_type,
+            object_id=object_id,
             key=key, task_id=task_id, payload=event,
             signed_at=datetime.fromtimestamp(signed_at_s, UTC),
             received_at=datetime.now(UTC),
         )
-    except (ValidationError, RecursionError) as exc:
+    except ValidationError as exc:
+        raise _Malformed(describe(exc, "the event cannot be recorded: ")) from exc
+    except (RecursionError, ValueError, OverflowError, OSError) as exc:  # t out of range
         raise _Malformed(f"the event cannot be recorded: {exc}") from exc
+
+
+def _record(settings: KafkaSettings, received: WebhookReceived) -> _Record:
+    """The exact record to publish, read back as the reconciler will read it: _Malformed
+    (400, or 413 when too large for the journal) if it could not be."""
+    try:
+        record = _Record(received.record_key(), received.model_dump_json().encode(), [
+            ("type", received.type.encode()),
+            ("schema_version", str(received.schema_version).encode()),
+            ("provider_event_id", received.provider_event_id.encode())])
+    except (ValueError, RecursionError) as exc:  # text that is not Unicode (a lone surrogate)
+        raise _Malformed(f"the event cannot be recorded: {str(exc)[:ERROR_CHARS_MAX]}") from exc
+    size = DefaultRecordBatchBuilder.estimate_size_in_bytes(record.key, record.value,
+                                                            record.headers)
+    if size > RECORD_BYTES_MAX:
+        raise _Malformed(f"the event's record would be {size} bytes, more than the "
+                         f"{RECORD_BYTES_MAX} the journal takes", status=413)
+    try:
+        decode_webhook(ConsumerRecord(
+            topic=WEBHOOKS.name(settings.topic_prefix), partition=0, offset=0, timestamp=0,
+            timestamp_type=0, key=record.key, value=record.value, checksum=None,
+            serialized_key_size=len(record.key), serialized_value_size=len(record.value),
+            headers=record.headers))
+    except InvalidRecord as exc:
+        raise _Malformed(f"the event cannot be recorded: {exc.reason}") from exc
+    return record
 
 
 async def receive(request: web.Request) -> web.Response:
@@ -200,15 +316,22 @@ async def receive(request: web.Request) -> web.Response:
                        "provider signs every delivery afresh")
     try:
         received = _read_event(provider, body, signed_at_s)
+        record = _record(gateway.settings, received)
     except _Malformed as exc:
-        logger.warning("webhook refused", why="malformed", reason=str(exc))
-        return _refuse(400, str(exc))
+        logger.warning("webhook refused", why="malformed", status=exc.status,
+                       reason=exc.reason[:ERROR_CHARS_MAX])
+        return _refuse(exc.status, exc.reason)
     # Reserved now, before any await, so a concurrent replay of this request is a 409 too.
     gateway.signatures.add(seen, now_s)
     accepted = False
     try:
         with log.bound(task_id=received.task_id):
-            response = await _publish_once(gateway, received, logger)
+            if received.task_id is not None:
+                stamped = await _stamp(gateway, received, logger)
+                if isinstance(stamped, web.Response):
+                    return stamped
+                received, record = stamped
+            response = await _publish_once(gateway, received, record, logger)
         accepted = response.status == 200
     finally:
         if not accepted:
@@ -216,7 +339,29 @@ async def receive(request: web.Request) -> web.Response:
     return response
 
 
-async def _publish_once(gateway: Gateway, received: WebhookReceived,
+async def _stamp(gateway: Gateway, received: WebhookReceived, logger: FilteringBoundLogger,
+                 ) -> tuple[WebhookReceived, _Record] | web.Response:
+    """`received` stamped with its task's journal partition and that partition's end offset
+    now, and its record; or the refusal. Without the stamp the reconciler could not tell an
+    attempt journaled before the webhook from one after it: not published without it."""
+    assert received.task_id is not None
+    try:
+        if gateway.journal is None:
+            raise RuntimeError("the gateway was made without a journal to read offsets from")
+        partition, offset = await gateway.journal.end_of(received.task_id)
+    except Exception as exc:  # the broker's errors are many; each means "not known now"
+        logger.error("journal end not read", error=repr(exc)[:ERROR_CHARS_MAX],
+                     event_id=received.provider_event_id)
+        return _refuse(503, f"could not read the journal's end ({type(exc).__name__}); retry")
+    stamped = received.model_copy(update={"journal_partition": partition,
+                                          "journal_offset": offset})
+    try:
+        return stamped, _record(gateway.settings, stamped)
+    except _Malformed as exc:  # only if the stamp itself tipped it over
+        return _refuse(exc.status, exc.reason)
+
+
+async def _publish_once(gateway: Gateway, received: WebhookReceived, record: _Record,
                         logger: FilteringBoundLogger) -> web.Response:
     event = (received.provider, received.provider_event_id)
     fields = {"event_id": received.provider_event_id, "event_type": received.provider_event_type,
@@ -234,12 +379,11 @@ async def _publish_once(gateway: Gateway, received: WebhookReceived,
     published = False
     try:
         meta = await asyncio.wait_for(gateway.writer.append_raw(
-            WEBHOOKS, received.model_dump_json().encode(), key=received.record_key(),
-            headers=[("type", received.type.encode()),
-                     ("schema_version", str(received.schema_version).encode()),
-                     ("provider_event_id", received.provider_event_id.encode())]),
-            PUBLISH_TIMEOUT_S)
+            WEBHOOKS, record.value, key=record.key, headers=record.headers), PUBLISH_TIMEOUT_S)
         published = True
+    except MessageSizeTooLargeError as exc:  # checked before; kept permanent if it slips by
+        logger.error("webhook not published", error=repr(exc)[:ERROR_CHARS_MAX], **fields)
+        return _refuse(413, "the event's record is larger than the journal takes")
     except Exception as exc:  # the broker's errors are many; each means "not acknowledged"
         logger.error("webhook not published", error=repr(exc), **fields)
         return _refuse(503, f"could not publish the webhook ({type(exc).__name__}); retry")
@@ -248,20 +392,37 @@ async def _publish_once(gateway: Gateway, received: WebhookReceived,
         if published:
             gateway.event_ids.add(event, time.time())
         done.set_result(published)  # also on cancellation: waiters must not hang
-    logger.info("webhook published", partition=meta.partition, offset=meta.offset, **fields)
+    logger.info("webhook published", partition=meta.partition, offset=meta.offset,
+                journal_partition=received.journal_partition,
+                journal_offset=received.journal_offset, **fields)
     return web.json_response({"received": True, "duplicate": False,
                               "event_id": received.provider_event_id})
 
 
 def make_app(settings: KafkaSettings, writer: JournalWriter, secrets: dict[str, str], *,
-             tolerance_s: float = TOLERANCE_S_DEFAULT) -> web.Application:
+             tolerance_s: float = TOLERANCE_S_DEFAULT,
+             journal: JournalEnds | None = None) -> web.Application:
     """The gateway for providers named in `secrets` (provider -> endpoint secret).
 
-    `writer` must be started; the app neither starts nor stops it."""
+    `writer` must be started; the app neither starts nor stops it. `journal` says where the
+    journal ends (the stamp on webhooks that name a task); without one the app reads the
+    journal topic itself, from its startup to its cleanup."""
     if tolerance_s <= 0:
         raise ValueError(f"tolerance_s must be positive, got {tolerance_s}")
     app = web.Application(client_max_size=BODY_BYTES_MAX)
-    app[GATEWAY] = Gateway(settings, writer, dict(secrets), tolerance_s)
+    if journal is None:
+        ends = KafkaJournalEnds(settings)
+        journal = ends
+
+        async def reading_the_journal(_: web.Application) -> AsyncIterator[None]:
+            await ends.start()
+            try:
+                yield
+            finally:
+                await ends.stop()
+
+        app.cleanup_ctx.append(reading_the_journal)
+    app[GATEWAY] = Gateway(settings, writer, dict(secrets), tolerance_s, journal)
     app.router.add_post("/webhooks/{provider}", receive)
     return app
 
@@ -274,7 +435,7 @@ async def serve_gateway(host: str | None = None, port: int | None = None) -> Non
     log.configure()
     logger = log.get("halfway.gateway")
     settings = KafkaSettings.from_env()
-    await ensure_topics(settings, (WEBHOOKS,))
+    await ensure_topics(settings, (WEBHOOKS, JOURNAL))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -1,15 +1,17 @@
 """The typed consumer: valid events out, invalid records to the dead-letter topic.
 
 A record that is not a valid event never crashes the service and never blocks its partition:
-it is written whole, with the reason, to the dead-letter topic (and that write is awaited, so
-it is never lost), then the consumer goes on with the next record. Offsets are committed by the
-caller, after it has acted on an event: at-least-once, with every output idempotent.
+it is described on the dead-letter topic (the reason, where it lives, its size and digest, an
+excerpt: `halfway.journal.deadletters`), then the consumer goes on with the next record. The
+letter's write is awaited and retried; if it still fails, the record is skipped with an error
+logged, never retried forever. Records of any size the broker accepts are fetched
+(`halfway.journal.limits`). Offsets are committed by the caller, after it has acted on an
+event: at-least-once, with every output idempotent.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, Self
 
@@ -18,15 +20,15 @@ from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from aiokafka.structs import ConsumerRecord
 
 from halfway import log
-from halfway.contract.topics import DEAD_LETTERS, WEBHOOKS, TopicSpec
+from halfway.contract.topics import WEBHOOKS, TopicSpec
+from halfway.journal.deadletters import DeadLetters, RawWriter
+from halfway.journal.limits import fetch_limits
 from halfway.journal.records import (
     Delivery,
     InvalidRecord,
-    dead_letter,
     decode,
     decode_webhook,
 )
-from halfway.journal.writer import JournalWriter
 from halfway.settings import KafkaSettings
 
 FETCH_TIMEOUT_MS = 500
@@ -35,7 +37,7 @@ FETCH_RECORDS_MAX = 500
 
 class EventConsumer:
     def __init__(self, settings: KafkaSettings, *, topics: tuple[TopicSpec, ...], group: str,
-                 writer: JournalWriter, listener: ConsumerRebalanceListener | None = None,
+                 writer: RawWriter, listener: ConsumerRebalanceListener | None = None,
                  ) -> None:
         self.group = group
         self._topics = [t.name(settings.topic_prefix) for t in topics]
@@ -44,8 +46,8 @@ class EventConsumer:
         self._decoders: dict[str, Callable[[ConsumerRecord], Any]] = {
             name: decode_webhook if name == webhooks else decode for name in self._topics}
         self._listener = listener
-        self._writer = writer  # for dead letters
         self._log = log.get("halfway.journal", group=group)
+        self.dead_letters = DeadLetters(writer, group=group, logger=self._log)
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=settings.bootstrap,
             group_id=group,
@@ -56,8 +58,13 @@ class EventConsumer:
             # the tasks topic and the journal are both keyed by task id, so one instance sees
             # a task's request and its journal.
             partition_assignment_strategy=(RangePartitionAssignor,),
+            **fetch_limits(),
         )
-        self.dead_lettered = 0
+
+    @property
+    def dead_lettered(self) -> int:
+        """Invalid records set aside so far (letters written, and records skipped without)."""
+        return self.dead_letters.written + self.dead_letters.failed
 
     @property
     def kafka(self) -> AIOKafkaConsumer:
@@ -104,18 +111,11 @@ class EventConsumer:
         try:
             event = self._decoders[record.topic](record)
         except InvalidRecord as exc:
-            await self._dead_letter(record, exc.reason)
+            # Written (or given up on) before the next record: a letter is never lost to a
+            # commit that overtook it.
+            await self.dead_letters.send(record, exc.reason)
             return None
         return Delivery(event, record.topic, record.partition, record.offset)
-
-    async def _dead_letter(self, record: ConsumerRecord, reason: str) -> None:
-        letter = dead_letter(record, reason, group=self.group, at=datetime.now(UTC))
-        # Keyed by where the record came from, so a redelivered poison record is recognisable.
-        key = f"{record.topic}/{record.partition}/{record.offset}".encode()
-        await self._writer.append_raw(DEAD_LETTERS, letter.model_dump_json().encode(), key=key)
-        self.dead_lettered += 1
-        self._log.warning("dead-lettered an invalid record", topic=record.topic,
-                          partition=record.partition, offset=record.offset, reason=reason)
 
     async def commit(self, delivery: Delivery) -> None:
         """Everything up to and including `delivery` in its partition has been acted on."""

@@ -16,6 +16,7 @@ from aiokafka.partitioner import murmur2
 from halfway.contract.topics import JOURNAL, TopicSpec
 from halfway.core.fold import TaskState, apply
 from halfway.journal.admin import topic_partitions
+from halfway.journal.limits import fetch_limits
 from halfway.journal.records import Delivery, InvalidRecord, decode
 from halfway.settings import KafkaSettings
 
@@ -43,7 +44,8 @@ async def read_topic(settings: KafkaSettings, spec: TopicSpec = JOURNAL,
     if only_key is not None:
         partitions = {partition_of(only_key, len(partitions))}
     consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap, group_id=None,
-                                enable_auto_commit=False, isolation_level="read_committed")
+                                enable_auto_commit=False, isolation_level="read_committed",
+                                **fetch_limits())
     await consumer.start()
     try:
         tps = [TopicPartition(topic, p) for p in sorted(partitions)]

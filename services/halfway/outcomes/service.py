@@ -27,11 +27,13 @@ change is unchanged: a release that changes it should publish to a fresh outcome
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.structs import ConsumerRecord
 from pydantic import ValidationError
 
 from halfway import log
@@ -40,11 +42,14 @@ from halfway.contract.topics import JOURNAL, OUTCOMES
 from halfway.core.fold import TaskState
 from halfway.journal import JournalWriter
 from halfway.journal.follower import JournalFollower
+from halfway.journal.limits import fetch_limits
+from halfway.journal.records import describe
 from halfway.outcomes.derive import Sequencer, changes
 from halfway.settings import KafkaSettings
 
 FETCH_TIMEOUT_MS = 500
 IDLE_TIMEOUT_S = 30.0  # no progress for this long while behind the end: the broker is gone
+LOGGED_REASON_CHARS_MAX = 500
 
 
 @dataclass
@@ -158,11 +163,12 @@ async def read_outcomes(settings: KafkaSettings, partitions: set[int] | None = N
 
 async def _read(settings: KafkaSettings, partitions: set[int] | None,
                 ) -> AsyncIterator[tuple[int, OutcomeChanged]]:
-    # Invalid records are skipped: this topic is ours, so one is a bug, logged, and it must not
-    # stop a publisher from starting.
+    # Invalid records (any kind, any size) are skipped: this topic is ours, so one is a bug,
+    # logged with where it is, and it must not stop a publisher from starting.
     topic = OUTCOMES.name(settings.topic_prefix)
     consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap, group_id=None,
-                                enable_auto_commit=False, isolation_level="read_committed")
+                                enable_auto_commit=False, isolation_level="read_committed",
+                                **fetch_limits())
     await consumer.start()
     try:
         numbers = partitions if partitions is not None else set(range(OUTCOMES.partitions))
@@ -178,12 +184,9 @@ async def _read(settings: KafkaSettings, partitions: set[int] | None,
                 for record in records:
                     if record.offset >= end[tp]:
                         break
-                    try:
-                        yield tp.partition, parse_outcome(record.value or b"")
-                    except ValidationError as exc:
-                        log.get("halfway.outcomes").warning(
-                            "invalid outcome record skipped", partition=record.partition,
-                            offset=record.offset, reason=str(exc)[:500])
+                    message = _outcome(record)
+                    if message is not None:
+                        yield tp.partition, message
             if batches:
                 progress_at = time.monotonic()
             elif time.monotonic() - progress_at > IDLE_TIMEOUT_S:
@@ -191,3 +194,22 @@ async def _read(settings: KafkaSettings, partitions: set[int] | None,
             behind = {tp for tp in behind if await consumer.position(tp) < end[tp]}
     finally:
         await consumer.stop()
+
+
+def _outcome(record: ConsumerRecord) -> OutcomeChanged | None:
+    """The message a record of the outcomes topic holds; None (logged) if it holds none."""
+    if record.value is None:
+        reason = "the record has no value (a tombstone)"
+    else:
+        try:
+            return parse_outcome(record.value)
+        except ValidationError as exc:
+            reason = describe(exc, prefix="invalid outcome: ")
+        except Exception as exc:  # a validator broken by this input: still just a bad record
+            reason = f"the record could not be read: {type(exc).__name__}"
+    log.get("halfway.outcomes").warning(
+        "invalid outcome record skipped", partition=record.partition, offset=record.offset,
+        size_bytes=0 if record.value is None else len(record.value),
+        sha256=None if record.value is None else hashlib.sha256(record.value).hexdigest(),
+        reason=reason[:LOGGED_REASON_CHARS_MAX])
+    return None

@@ -17,6 +17,11 @@ Rewriting a row is harmless (a row is a pure function of the fold), so redeliver
 Each batch states the offsets it expects to be stored; if another writer moved them (a zombie
 that lost the partition, a rebuild swapped in), the batch is refused whole, the partition is
 re-synced from what is stored, and every task changed since then is written again.
+
+A record that is not an event (any kind, any size) never stops the projector: it is folded as
+nothing, and dead-lettered (`halfway.journal.deadletters`) the first time the projector passes
+it, before the batch that stores an offset beyond it; a replay below the stored offset skips
+it quietly. The consumer fetches any record the broker accepts (`halfway.journal.limits`).
 """
 
 from __future__ import annotations
@@ -34,11 +39,14 @@ from aiokafka.structs import ConsumerRecord
 
 from halfway import log
 from halfway import settings as env
-from halfway.contract.topics import JOURNAL
+from halfway.contract.topics import DEAD_LETTERS, JOURNAL
 from halfway.core.fold import TaskState, apply
 from halfway.journal import ensure_topics
 from halfway.journal.admin import cluster_id, topic_partitions
+from halfway.journal.deadletters import DeadLetters
+from halfway.journal.limits import fetch_limits
 from halfway.journal.records import InvalidRecord, decode
+from halfway.journal.writer import JournalWriter
 from halfway.projector import store
 from halfway.settings import KafkaSettings
 
@@ -122,7 +130,9 @@ class _Listener(ConsumerRebalanceListener):
 
 class Projector:
     def __init__(self, settings: KafkaSettings, dsn: str, schema: str = "halfway",
-                 group: str | None = None, *, batch_events_max: int = BATCH_EVENTS_MAX) -> None:
+                 group: str | None = None, *, batch_events_max: int = BATCH_EVENTS_MAX,
+                 writer: JournalWriter | None = None) -> None:
+        """`writer` (started) writes the dead letters; without one, `run` starts its own."""
         self.settings = settings
         self.schema = store.checked(schema)
         self.group = group or f"{settings.topic_prefix}projector"  # one group per deployment
@@ -134,8 +144,15 @@ class Projector:
         self._conn: asyncpg.Connection | None = None
         self._verify_at = 0.0
         self._log = log.get("halfway.projector", group=self.group, schema=self.schema)
+        self._writer = writer
+        self._dead_letters: DeadLetters | None = None
         self.batches = 0
-        self.invalid = 0  # records that are not events: skipped (the services dead-letter them)
+        self.invalid = 0  # records that are not events, folded as nothing
+
+    @property
+    def dead_letters(self) -> DeadLetters | None:
+        """This projector's letters (written, failed), once `run` has started."""
+        return self._dead_letters
 
     @property
     def partitions(self) -> frozenset[int]:
@@ -148,6 +165,14 @@ class Projector:
 
     async def run(self) -> None:
         """Project until cancelled."""
+        if self._writer is not None:
+            await self._project(self._writer)
+            return
+        async with JournalWriter(self.settings) as writer:
+            await self._project(writer)
+
+    async def _project(self, writer: JournalWriter) -> None:
+        self._dead_letters = DeadLetters(writer, group=self.group, logger=self._log)
         self._conn = await store.connect(self._dsn)
         try:
             await store.migrate(self._conn, self.schema)
@@ -163,7 +188,8 @@ class Projector:
             self._consumer = AIOKafkaConsumer(
                 bootstrap_servers=self.settings.bootstrap, group_id=self.group,
                 enable_auto_commit=False,  # the offsets that count are in PostgreSQL
-                auto_offset_reset="earliest", isolation_level="read_committed")
+                auto_offset_reset="earliest", isolation_level="read_committed",
+                **fetch_limits())
             await self._consumer.start()
             try:
                 self._consumer.subscribe([self.topic], listener=_Listener(self))
@@ -184,12 +210,18 @@ class Projector:
         owners = {tp: self._partitions.get(tp.partition) for tp in batches}
         await self._adopt()
         fetched = 0
+        refused: list[tuple[ConsumerRecord, str]] = []
         for tp, records in batches.items():
             part = self._partitions.get(tp.partition)
             if part is None or part is not owners[tp] or part.written_to is None:
                 continue  # revoked or re-assigned meanwhile: the new owner replays from zero
             fetched += len(records)
-            self._fold(part, records)
+            refused += self._fold(part, records)
+        # Before the flush that stores offsets past them: once stored, a restart's replay
+        # passes them quietly.
+        for record, reason in refused:
+            assert self._dead_letters is not None
+            await self._dead_letters.send(record, reason)
         await self._advance_positions()
         backlog = sum(p.unwritten for p in self._partitions.values())
         if backlog and (backlog >= self.batch_events_max or fetched < FETCH_RECORDS_MAX):
@@ -197,8 +229,12 @@ class Projector:
         elif not backlog and time.monotonic() >= self._verify_at:
             await self._verify()
 
-    def _fold(self, part: _Partition, records: list[ConsumerRecord]) -> None:
+    def _fold(self, part: _Partition, records: list[ConsumerRecord],
+              ) -> list[tuple[ConsumerRecord, str]]:
+        """Fold `records` into `part`; returns the invalid ones to dead-letter (those at or
+        past the stored offset: below it, an earlier run already passed them)."""
         assert part.written_to is not None
+        refused: list[tuple[ConsumerRecord, str]] = []
         for record in records:
             if record.offset < part.position:
                 continue  # already folded
@@ -208,14 +244,14 @@ class Projector:
             except InvalidRecord as exc:
                 self.invalid += 1
                 if record.offset >= part.written_to:
-                    self._log.warning("skipped an invalid record", partition=part.number,
-                                      offset=record.offset, reason=exc.reason)
+                    refused.append((record, exc.reason))
                 continue
             state = part.states.get(event.task_id) or TaskState(task_id=event.task_id)
             part.states[event.task_id] = apply(state, event)
             part.changed_at[event.task_id] = record.offset
             if record.offset >= part.written_to:
                 part.dirty.add(event.task_id)
+        return refused
 
     async def _adopt(self) -> None:
         """Read the stored offsets of newly assigned partitions, before their first record."""
@@ -280,7 +316,8 @@ async def journal_end_offsets(settings: KafkaSettings) -> dict[int, int]:
     topic = JOURNAL.name(settings.topic_prefix)
     partitions = await topic_partitions(settings.bootstrap, topic)
     consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap, group_id=None,
-                                enable_auto_commit=False, isolation_level="read_committed")
+                                enable_auto_commit=False, isolation_level="read_committed",
+                                **fetch_limits())
     await consumer.start()
     try:
         tps = [TopicPartition(topic, p) for p in sorted(partitions)]
@@ -295,7 +332,7 @@ async def serve() -> None:
     HALFWAY_PG_SCHEMA until SIGTERM or SIGINT."""
     log.configure()
     settings = KafkaSettings.from_env()
-    await ensure_topics(settings, (JOURNAL,))
+    await ensure_topics(settings, (JOURNAL, DEAD_LETTERS))
     task = asyncio.current_task()
     assert task is not None
     loop = asyncio.get_running_loop()

@@ -21,6 +21,9 @@ SCHEME = "v1"
 TOLERANCE_S_DEFAULT = 300  # Stripe's DEFAULT_TOLERANCE
 HEADER_CHARS_MAX = 8192  # a header longer than this is garbage, not a secret roll
 SIGNATURES_MAX = 16  # v1 entries we compare; bounds the work a garbage header can cause
+# Digits of t=: unix seconds have 10 until the year 2286; more is garbage (and a few thousand
+# digits would not even convert to an int).
+TIMESTAMP_DIGITS_MAX = 12
 
 Reason = Literal["missing", "garbled", "no_v1", "stale", "future", "mismatch"]
 
@@ -67,6 +70,10 @@ def _parse(header: str | None) -> tuple[int, list[str]]:
             if not value.isascii() or not value.isdigit():
                 raise SignatureError("garbled", "garbled Stripe-Signature header: the "
                                      "timestamp (t=) is not a whole number of seconds")
+            if len(value) > TIMESTAMP_DIGITS_MAX:
+                raise SignatureError("garbled", "garbled Stripe-Signature header: the "
+                                     f"timestamp (t=) has more than {TIMESTAMP_DIGITS_MAX} "
+                                     "digits")
             timestamp = int(value)
         elif name == SCHEME:
             v1.append(value)
