@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from halfway.contract import (
+    ClaimWithdrawn,
     CompensationAttempted,
     CompensationChecked,
     CompensationIntended,
@@ -82,6 +83,13 @@ class Stamper:
                            args=args if args is not None else {"amount_cents": "49.00"},
                            reason=reason, decided_by=DecidedBy(model="scripted", version="1"))
 
+    def withdrawn(self, n: int, *claim_ids: str,
+                  subject: str = "invoice:INV-2291") -> ClaimWithdrawn:
+        return ClaimWithdrawn(**self.stamp(), step_id=step_id(self.task_id, n),
+                              claim_ids=list(claim_ids) or ["claim-1"], subject=subject,
+                              tool="charge_customer",
+                              reason="the claim never became a step (a decider crashed)")
+
     def attempted(self, n: int, attempt: int) -> StepAttempted:
         sid = step_id(self.task_id, n)
         return StepAttempted(**self.stamp(), step_id=sid, attempt=attempt, key=mint_key(sid),
@@ -148,8 +156,9 @@ def one_of_each(task_id: str = "renewal-8812") -> list[Event]:
         s.started(),
         s.rejected(),
         s.refused(1),
+        s.withdrawn(1, "claim-1"),
         s.intended(1, saga_role=SagaRole.COMPENSABLE, compensation=CompensationPlan(
-            tool="refund_charge", args={"charge": "$result.id"})),
+            tool="refund_charge", args={"charge": "$result.id"}), claim_id="claim-2"),
         s.attempted(1, 1),
         s.settled(1, Outcome.UNKNOWN, attempt=1),
         s.checked(1),

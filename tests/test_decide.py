@@ -7,9 +7,18 @@ from datetime import timedelta
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from halfway.contract import EffectClass, FinalState, Outcome, TaskPolicy
+from halfway.contract import (
+    EffectClass,
+    FinalState,
+    Outcome,
+    StepRefused,
+    SubjectHeld,
+    TaskPolicy,
+)
 from halfway.core import fold
 from halfway.core.decide import (
+    ARGS_BYTES_MAX,
+    BLOCKED_WAIT_S_MAX,
     Ask,
     Finish,
     Hold,
@@ -18,6 +27,7 @@ from halfway.core.decide import (
     Reject,
     Start,
     ToolFacts,
+    WaitFor,
     accept_call,
     decide,
     final_state_for,
@@ -170,3 +180,62 @@ async def test_told_of_a_refusal_the_scripted_model_corrects_itself(tmp_path) ->
     assert again.args == {"amount_cents": "49.00"}
     corrected = await model.decide(history_of(fold([started, s.refused(1)]), 1, []))
     assert corrected.args == {"amount_cents": 4900}
+
+
+def blocked_by(s: Stamper, holder: str = "other-1:1") -> StepRefused:
+    return s.refused(1, reason=f"blocked: {holder} on invoice:INV-2291 is still unknown (not "
+                     "settled yet); charge_customer waits until it is").model_copy(
+        update={"blocked": SubjectHeld(subject="invoice:INV-2291", tool="charge_customer",
+                                       holder=holder)})
+
+
+def test_a_task_blocked_by_a_held_subject_waits_without_using_up_its_refusals(
+        s: Stamper) -> None:
+    log = [s.started(policy=TaskPolicy(deadline=s.now + timedelta(hours=1))),
+           *[blocked_by(s) for _ in range(5)]]
+    state = fold(log)
+    held = log[-1].blocked
+    waiting = decide(state, known_tools=KNOWN, requested=True, now=s.now,
+                     still_held=lambda h: h == held)
+    assert state.started is not None
+    assert waiting == WaitFor(held, state.started.policy.deadline)
+    # Released: the model is asked again, and reads that the harness waited.
+    assert decide(state, known_tools=KNOWN, requested=True, now=s.now,
+                  still_held=lambda h: False) == Ask(1)
+    history = history_of(state, 1, [])
+    assert "waited until other-1:1 released invoice:INV-2291" in history.refusals[-1]
+    # The deadline bounds the wait.
+    late = decide(state, known_tools=KNOWN, requested=True, now=s.now + timedelta(hours=2),
+                  still_held=lambda h: True)
+    assert isinstance(late, Finish)
+    assert "while waiting for invoice:INV-2291, which other-1:1 still holds" in late.summary
+
+
+def test_without_a_deadline_a_wait_is_bounded_too(s: Stamper) -> None:
+    state = fold([s.started(), blocked_by(s)])
+    wait = decide(state, known_tools=KNOWN, requested=True, now=s.now,
+                  still_held=lambda h: True)
+    assert isinstance(wait, WaitFor)
+    assert wait.until == state.refusals[-1].at + timedelta(seconds=BLOCKED_WAIT_S_MAX)
+    after = decide(state, known_tools=KNOWN, requested=True,
+                   now=wait.until + timedelta(seconds=1), still_held=lambda h: True)
+    assert isinstance(after, Finish)
+    assert after.state is FinalState.FAILED
+
+
+def test_a_once_per_subject_block_is_a_refusal_that_counts(s: Stamper) -> None:
+    done = ("blocked: other-1:1 already did charge_customer on invoice:INV-2291; "
+            "charge_customer happens once per subject")
+    state = fold([s.started(), *[s.refused(1, reason=done) for _ in range(3)]])
+    move = decide(state, known_tools=KNOWN, requested=True, now=s.now,
+                  still_held=lambda h: True)
+    assert isinstance(move, Finish)
+    assert "refused 3 times" in move.summary
+
+
+def test_oversized_arguments_are_refused_with_their_size(s: Stamper) -> None:
+    state = fold([s.requested(), s.started()])
+    refusal = accept_call(state, 1, CHARGE, "charge_customer",
+                          {"invoice": "x" * (ARGS_BYTES_MAX + 1), "amount_cents": 4900})
+    assert isinstance(refusal, Refused)
+    assert f"at most {ARGS_BYTES_MAX} are accepted" in refusal.reason

@@ -167,7 +167,9 @@ def histories(draw: st.DrawFn) -> list[Event]:
                                            SettlementSource.OPERATOR]))
             log.append(s.settled(n, draw(st.sampled_from([Outcome.DONE, Outcome.NOT_DONE])),
                                  source=source))
-        if draw(st.booleans()):
+        done = fold(log).step(n)
+        if done is not None and done.outcome is Outcome.DONE and draw(st.booleans()):
+            # Only a done step has an undo (the decider journals one for nothing else).
             log += [s.undo_intended(n), s.undo_attempted(n, 1)]
             log.append(s.undo_settled(n, draw(st.sampled_from(list(Outcome))), attempt=1))
     if draw(st.booleans()):

@@ -253,3 +253,22 @@ def test_no_effect_ever_happens_twice(data: st.DataObject) -> None:
         assert len(provider.charges) == 1
     if final.outcome is Outcome.NOT_DONE:
         assert provider.charges == [], "not_done, but the charge happened"
+
+
+def test_a_replayed_answer_spends_no_retry_and_lookups_go_on(s: Stamper) -> None:
+    """A 5xx saved under the key and replayed (`Idempotent-Replayed`) is the same answer for
+    every retry with that key: retrying only burns attempts."""
+    verdict = classify(Replied(500, code="api_error", replayed=True), attempt=1)
+    assert "replayed this saved answer" in verdict.reason
+    log = [s.started(), s.intended(1), s.attempted(1, 1),
+           s.settled(1, Outcome.UNKNOWN, attempt=1, reason=verdict.reason).model_copy(
+               update={"replayed": True})]
+    assert next_action(effect_of(log), KEYED, s.now) == Lookup()
+    log.append(checked(s, s.now + 2 * S))
+    assert next_action(effect_of(log), KEYED, s.now + 3 * S) == Lookup()  # not Call(2)
+    log.append(checked(s, None))
+    action = next_action(effect_of(log), KEYED, s.now + 4 * S)
+    assert action == Nothing()  # escalated: lookups over, no retry spent
+    fresh = [s.started(), s.intended(1), s.attempted(1, 1),
+             s.settled(1, Outcome.UNKNOWN, attempt=1), checked(s, s.now + 2 * S)]
+    assert next_action(effect_of(fresh), KEYED, s.now + 3 * S) == Call(2)  # not replayed: retry

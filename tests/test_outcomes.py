@@ -133,9 +133,13 @@ def test_a_contradiction_is_surfaced_not_dropped() -> None:
     s = Stamper(TASK)
     log = [s.started(), s.intended(1), s.attempted(1, 1), s.settled(1, Outcome.DONE, attempt=1),
            s.settled(1, Outcome.NOT_DONE, source=SettlementSource.WEBHOOK, reason="refunded")]
-    last = messages(log, TASK)[-1]
-    assert last.state == "done"  # the first definitive settlement counts
-    assert "a later report (webhook) says not_done: refunded" in last.words
+    out = messages(log, TASK)
+    step = [m for m in out if m.subject == "step"][-1]
+    assert step.state == "done"  # the first definitive settlement counts
+    assert "a later report (webhook) says not_done: refunded" in step.words
+    task = out[-1]  # and the task needs a person: reports about its step disagree
+    assert (task.subject, task.state) == ("task", "needs_attention")
+    assert "reports about it contradict each other" in task.words
 
 
 def test_a_compensation_is_a_subject_of_its_own() -> None:

@@ -435,7 +435,9 @@ async def test_a_key_is_forgotten_after_its_lifetime_so_a_reuse_charges_again(ke
 
         found = await adapter.lookup(ARGS, _ctx(key))
         assert isinstance(found, Found)
-        assert found.evidence["duplicate_charge_ids"]  # the double charge shows
+        # The double charge shows: the other charge under the key, for a contradiction.
+        assert {found.evidence["charge_id"], *found.others} == {
+            first.evidence["charge_id"], after.evidence["charge_id"]}
 
 
 async def test_a_validation_failure_is_not_saved_under_the_key(

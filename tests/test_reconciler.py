@@ -18,8 +18,11 @@ import httpx
 import pytest
 
 from halfway import settings
-from halfway.contract import FinalState, Outcome, SettlementSource, StepSettled
+from halfway.contract import DeadLetter, FinalState, Outcome, SettlementSource, StepSettled
+from halfway.contract.outcomes import OutcomeChanged
+from halfway.contract.topics import DEAD_LETTERS
 from halfway.core.fold import StepStatus, fold
+from halfway.outcomes.service import read_outcomes
 from halfway.settings import KafkaSettings
 from halfway.webhooks import sign
 
@@ -34,6 +37,7 @@ from tests.processes import (  # noqa: E402
     kill9,
     renewal_request,
 )
+from tests.test_journal import raw_records  # noqa: E402
 
 pytest_plugins = ["tests.processes"]
 pytestmark = pytest.mark.broker
@@ -248,34 +252,136 @@ async def test_restarting_the_reconciler_loses_no_unknown_step_and_no_unmatched_
         assert state.step(1).effect.settlement.source is SettlementSource.WEBHOOK, task_id
 
 
-async def test_a_webhook_that_arrives_before_its_step_is_kept_and_matched_later(
-        hooked: Cluster) -> None:
-    c = hooked
-    task_id = new_id("early")
-    step_id = f"{task_id}:1"
-    # The provider's webhook for our key reaches the gateway before the task even exists.
+async def post_webhook(c: Cluster, event_id: str, kind: str, key: str, charge_id: str, *,
+                       amount: int = 4900, customer: str = "cus_8812") -> None:
+    """A webhook signed with the provider's real secret: only its content is ours."""
     now = int(time.time())
-    body = json.dumps({"id": "evt_early_1", "type": "charge.succeeded", "created": now,
-                       "data": {"object": {"id": "ch_early_1", "object": "charge",
-                                           "status": "succeeded", "amount": 4900,
-                                           "metadata": {"halfway_key": step_id}}}}).encode()
+    body = json.dumps({"id": event_id, "type": kind, "created": now,
+                       "data": {"object": {
+                           "id": charge_id, "object": "charge", "amount": amount,
+                           "currency": "usd", "customer": customer,
+                           "status": "succeeded" if kind == "charge.succeeded" else "failed",
+                           "metadata": {"halfway_key": key}}}}).encode()
     async with httpx.AsyncClient(timeout=30) as client:
         response = await client.post(c.gateway_url, content=body, headers={
             "Stripe-Signature": sign(body, settings.paysim_webhook_secret(), now),
             "Content-Type": "application/json"})
     assert response.status_code == 200, response.text
+
+
+async def dead_letters_for(c: Cluster, key: str, count: int) -> list[DeadLetter]:
+    records = await raw_records(
+        c.settings, DEAD_LETTERS, count,
+        keep=lambda r: key in DeadLetter.model_validate_json(r.value).value)
+    return [DeadLetter.model_validate_json(r.value) for r in records]
+
+
+async def test_a_webhook_for_a_key_never_sent_is_quarantined_and_never_settles_the_step(
+        hooked: Cluster) -> None:
+    """A provider cannot know our key before we send it: a signed webhook for T:1 that
+    arrives before T:1 was attempted is an orphan, whatever it says, now and later."""
+    c = hooked
+    task_id, other = new_id("early"), new_id("never")
+    step_id = f"{task_id}:1"
+    await c.start("reconciler", HALFWAY_RECONCILER_LOOKUPS="off")
+    await post_webhook(c, "evt_early_1", "charge.succeeded", step_id, "ch_early_1")
+    await post_webhook(c, "evt_never_1", "charge.failed", f"{other}:1", "ch_never_1")
+    (early,) = await dead_letters_for(c, "evt_early_1", 1)
+    assert "orphan" in early.reason
+    assert step_id in early.reason
+    (never,) = await dead_letters_for(c, "evt_never_1", 1)
+    assert "not attempted before the webhook arrived" in never.reason
     # Then the task starts. Its own call cannot settle it (the provider is slow, the caller
-    # gives up, lookups are off, the provider's own webhooks are held back): only the kept
-    # webhook can, whether the reconciler weighs it before the first attempt or after.
+    # gives up, lookups are off, the provider's own webhooks are held back): were the early
+    # webhook kept, it would settle the step with a charge that never existed.
     await c.faults({"match": {}, "action": {"delay_s": 1.5}})
     await c.webhook_behaviour(paused=True)
     for service in ("decider", "executor"):
         await c.start(service)
-    await c.start("reconciler", HALFWAY_RECONCILER_LOOKUPS="off")
     await c.publish(renewal_request(task_id))
+    await c.journal.first(lambda e: e.task_id == task_id and e.type == "step.settled",
+                          "the step's first settlement", LONG_WAIT_S)
+    (charge,) = await until_charged(c, step_id)
+    # The provider's real webhook, about the attempt we journaled, is evidence.
+    await c.webhook_behaviour(paused=False)
     await c.journal.until_finished([task_id], LONG_WAIT_S)
     state = fold(c.journal.of(task_id), task_id)
     settlement = state.step(1).effect.settlement
     assert settlement.source is SettlementSource.WEBHOOK
-    assert settlement.evidence["provider_event_id"] == "evt_early_1"
+    assert settlement.evidence["charge_id"] == charge["id"] != "ch_early_1"
+    assert not state.step(1).effect.contradictions
     assert state.final_state is FinalState.SUCCEEDED
+    # A restart weighs every webhook again from the topic: the orphan stays an orphan.
+    for proc in [p for p in c.procs if p.name.startswith("reconciler")]:
+        await kill9(proc)
+    again = await c.start("reconciler", HALFWAY_RECONCILER_LOOKUPS="off")
+    await again.until_logged("webhook quarantined", count=2, timeout_s=LONG_WAIT_S)
+    events = await journal_now(c.settings)
+    assert not [e for e in events if getattr(e, "evidence", None)
+                and e.evidence.get("provider_event_id") in ("evt_early_1", "evt_never_1")]
+
+
+async def until_charged(c: Cluster, key: str) -> list[dict]:
+    async def charged() -> list[dict]:
+        while True:  # the provider's ledger has no notification: polled, bounded
+            if found := charges_for(await c.ledger(), key):
+                return found
+            await asyncio.sleep(0.05)
+
+    return await asyncio.wait_for(charged(), LONG_WAIT_S)
+
+
+async def test_a_webhook_that_contradicts_the_step_needs_an_operator_not_a_settlement(
+        hooked: Cluster) -> None:
+    """A second charge reported under a done key, and an unknown step's webhook charging
+    another amount: both are kept as contradictions, and the task needs an operator."""
+    c = hooked
+    for service in ("decider", "executor", "reconciler", "outcomes"):
+        await c.start(service)
+    done_task = new_id("twice")
+    await c.publish(renewal_request(done_task))
+    await c.journal.until_finished([done_task], LONG_WAIT_S)
+    state = fold(c.journal.of(done_task), done_task)
+    charge_id = state.step(1).effect.settlement.evidence["charge_id"]
+    await post_webhook(c, "evt_second", "charge.succeeded", f"{done_task}:1", "ch_second")
+    contradiction = await c.journal.first(
+        lambda e: e.task_id == done_task and getattr(e, "contradiction", None) is not None,
+        "the contradiction journaled", LONG_WAIT_S)
+    assert "names another effect than " + charge_id in contradiction.contradiction
+    state = fold(c.journal.of(done_task), done_task)
+    assert state.step(1).effect.settlement.evidence["charge_id"] == charge_id  # still done
+    assert state.needs_attention
+    # The outcomes topic says so too: the task needs attention, though it had succeeded.
+    outcome = await last_outcome(c, done_task, "needs_attention")
+    assert "ch_second" in outcome.words
+
+    # An unknown step, and a webhook whose charge is for another amount: not a settlement.
+    await c.faults({"match": {}, "action": {"delay_s": 1.5}})
+    await c.webhook_behaviour(paused=True)
+    odd = new_id("odd")
+    for proc in [p for p in c.procs if p.name.startswith("reconciler")]:
+        await kill9(proc)  # lookups would settle it first: this test is about the webhook
+    await c.start("reconciler", HALFWAY_RECONCILER_LOOKUPS="off")
+    await c.publish(renewal_request(odd))
+    await c.journal.first(lambda e: e.task_id == odd and getattr(e, "outcome", None)
+                          is Outcome.UNKNOWN, "the step unknown", LONG_WAIT_S)
+    await post_webhook(c, "evt_odd", "charge.succeeded", f"{odd}:1", "ch_odd", amount=9900)
+    await c.journal.first(
+        lambda e: e.task_id == odd and getattr(e, "contradiction", None) is not None,
+        "the mismatch journaled as a contradiction", LONG_WAIT_S)
+    state = fold(c.journal.of(odd), odd)
+    assert state.step(1).status is StepStatus.UNKNOWN  # never settled by it
+    assert state.needs_attention
+    assert "9900 usd" in state.step(1).effect.attention_why
+
+
+async def last_outcome(c: Cluster, task_id: str, state: str) -> OutcomeChanged:
+    async def found() -> OutcomeChanged:
+        while True:
+            mine = [m async for m in read_outcomes(c.settings) if m.task_id == task_id
+                    and m.subject == "task"]
+            if mine and mine[-1].state == state:
+                return mine[-1]
+            await asyncio.sleep(0.2)
+
+    return await asyncio.wait_for(found(), LONG_WAIT_S)

@@ -45,6 +45,19 @@ def effect_line(effect: EffectState, what: str, *, unknown_advice: str) -> str:
             return f"decided, not yet attempted: {what}"
 
 
+def attention_words(state: TaskState) -> str | None:
+    """Why a person must look at the task (steps and undos that need one), or None."""
+    parts = []
+    for step in sorted(state.steps.values(), key=lambda s: s.n):
+        if step.effect.needs_attention:
+            parts.append(f"step {step.step_id} ({step.intent.tool}, reference "
+                         f"{step.intent.key}): {step.effect.attention_why}")
+        if step.compensation is not None and step.undo.needs_attention:
+            parts.append(f"the undo of step {step.step_id} (reference {step.compensation.key}): "
+                         f"{step.undo.attention_why}")
+    return "; ".join(parts) if parts else None
+
+
 def next_check_words(effect: EffectState) -> str:
     check = effect.last_check
     if check is None:
@@ -79,8 +92,11 @@ def task_summary(state: TaskState) -> dict[str, Any]:
                                   if step.effect.last_check and step.effect.last_check.next_check_at
                                   else None),
                 "contradictions": len(step.effect.contradictions),
+                "attention": step.effect.attention_why or None,
             }
             for step in state.steps.values()
         ],
+        "not_accepted": [{"type": n.event.type, "step_id": n.event.step_id, "reason": n.reason}
+                         for n in state.not_accepted],
         "anomalies": list(state.anomalies),
     }

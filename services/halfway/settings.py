@@ -115,6 +115,20 @@ def reconciler_lookups() -> bool:
     return os.environ.get("HALFWAY_RECONCILER_LOOKUPS", "on").lower() not in ("off", "0", "no")
 
 
+# paysim finishes every request within its longest fault delay (600 s); a margin on top.
+DEFAULT_CHARGE_COMPLETES_WITHIN_S = 660.0
+
+
+def charge_completes_within_s() -> float | None:
+    """How long the payment provider may take to finish any request: past it, a lookup that
+    finds nothing proves the charge did not happen. paysim's bound by default; `off` for a
+    provider whose search lags (Stripe's does), where nothing found proves nothing."""
+    raw = os.environ.get("HALFWAY_CHARGE_COMPLETES_WITHIN_S", "").strip().lower()
+    if raw in ("off", "none", "0"):
+        return None
+    return float(raw) if raw else DEFAULT_CHARGE_COMPLETES_WITHIN_S
+
+
 def charge_key_ttl_s() -> float:
     """How long the payment provider remembers an idempotency key (Stripe v1: 24 h)."""
     return float(os.environ.get("HALFWAY_CHARGE_KEY_TTL_S", "86400"))

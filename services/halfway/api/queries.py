@@ -3,7 +3,8 @@
 Each task gets one derived `state`, the word operators filter by. Its order matters: a task with
 an unknown step is never shown as anything else ("failed" included) until the step is settled,
 because that is what a person must know first:
-- `needs_attention`: a step is unknown and nobody will check it again (an operator must resolve);
+- `needs_attention`: a step is unknown and nobody will check it again, or reports about it
+  contradict each other (an operator must resolve);
 - `unknown`: a step is unknown and the harness is checking it;
 - else the final state (`succeeded`, `failed`, `compensated`), or the status (`requested`,
   `running`, `rejected`).
@@ -56,7 +57,7 @@ _TASKS = """
 SELECT * FROM (
     SELECT t.task_id, {state} AS state, t.status, t.final_state, t.needs_attention, t.summary,
            t.steps AS step_count, t.started_at, t.finished_at, t.updated_at, t.aborted_by,
-           t.aborted_reason,
+           t.aborted_reason, t.attention, t.not_accepted::text AS not_accepted,
            coalesce(c.done, 0) AS done, coalesce(c.not_done, 0) AS not_done,
            coalesce(c.unknown, 0) AS unknown, coalesce(c.in_flight, 0) AS in_flight,
            coalesce(c.intended, 0) AS intended, coalesce(c.contradictions, 0) AS contradictions,
@@ -79,7 +80,7 @@ _STEPS = """
 SELECT step_id, n, tool, args::text AS args, key, subject, effect_class, decided_by, status,
        outcome, evidence::text AS evidence, reason, source, attempts, unknowns, checks,
        last_check, next_check_at, needs_attention, contradictions, intended_at, settled_at,
-       updated_at
+       updated_at, attention
 FROM {schema}.steps WHERE task_id = $1 ORDER BY n LIMIT $2
 """
 
@@ -112,7 +113,7 @@ SELECT (SELECT coalesce(sum(next_offset), 0) FROM {schema}.applied_offsets) AS o
        (SELECT max(updated_at) FROM {schema}.compensations) AS compensations
 """
 
-_JSON_COLUMNS = ("args", "evidence", "input", "allowed_tools")
+_JSON_COLUMNS = ("args", "evidence", "input", "allowed_tools", "not_accepted")
 
 
 def _row(record: asyncpg.Record) -> dict[str, Any]:

@@ -26,7 +26,7 @@ STEP_WORDS = {
 UNKNOWN_UNCHECKED = "unknown, an operator must resolve it"
 
 TASK_WORDS = {
-    "needs_attention": "needs attention: a step is unknown and no further check is planned",
+    "needs_attention": "needs attention: an operator must resolve a step",
     "unknown": "waiting: a step is unknown and being checked",
     "requested": "requested",
     "running": "running",
@@ -157,6 +157,11 @@ def status_table(task: Mapping[str, Any], now: datetime | None = None) -> str:
                     f"steps in flight settle, and a saga undoes what is done")
     if task.get("summary"):
         head.append(f"  summary: {' '.join(str(task['summary']).split())}")
+    if task.get("attention"):
+        head.append(f"  needs attention: {' '.join(str(task['attention']).split())}")
+    for refused in task.get("not_accepted") or []:
+        head.append(f"  not accepted: {refused.get('type')} {refused.get('step_id')} "
+                    f"({refused.get('tool')}): {refused.get('reason')}")
     steps = task.get("steps") or []
     if not steps:
         return "\n".join([*head, "no steps yet"])

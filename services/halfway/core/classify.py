@@ -34,6 +34,9 @@ class Replied:
     status: int
     code: str | None = None  # the provider's error code, e.g. card_declined
     message: str = ""
+    # The provider answered from its idempotency store (`Idempotent-Replayed`): the answer to
+    # an earlier attempt with this key, which every retry with the key gets again.
+    replayed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,11 +99,12 @@ def classify(failure: CallFailure, *, attempt: int = 1) -> Verdict:
             detail = " ".join(p for p in (code, message) if p)
             return Verdict(Outcome.NOT_DONE, f"refused by the provider: HTTP {status}"
                            + (f" {detail}" if detail else ""))
-        case Replied(status=status, code=code):
+        case Replied(status=status, code=code, replayed=replayed):
             what = {408: "request timeout", 409: "conflict (the same key may still be in flight)",
                     425: "too early", 429: "rate limited"}.get(status) or _family(status)
+            again = "; the provider replayed this saved answer" if replayed else ""
             return Verdict(Outcome.UNKNOWN, f"HTTP {status} {what}"
-                           + (f" ({code})" if code else "") + "; it may have happened")
+                           + (f" ({code})" if code else "") + again + "; it may have happened")
         case NotSent(why=why) if attempt == 1:
             return Verdict(Outcome.NOT_DONE, f"never reached the provider: {why}")
         case NotSent(why=why):

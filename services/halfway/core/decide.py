@@ -15,6 +15,13 @@ the harness from the step id. The model never names the key. A proposal that fai
 with a reason the model can read: the decider journals `step.refused`, the model sees it and
 decides again, at most REFUSALS_MAX times for one step; then the task fails with the reason.
 
+A proposal blocked by a subject another step holds (the subject guard: another task's charge of
+the same invoice is in flight or unknown) is journaled as a refusal that names the holder, and
+the task waits (`WaitFor`) until the holder releases the subject, bounded by the task's
+deadline (or BLOCKED_WAIT_S_MAX); then the model is asked again and reads what happened. Such a
+refusal does not count toward REFUSALS_MAX: waiting is not the model's mistake. A proposal
+blocked for good (a once-per-subject effect already done) is a refusal like any other.
+
 A saga (`halfway.core.saga`) adds two things: `accept_call` refuses a step that breaks the
 order of saga roles, and a failing saga is undone instead of asking further: `Compensate`
 journals the undo of each done step (last first), and the task finishes `compensated` once
@@ -24,8 +31,10 @@ new step; its steps in flight settle first.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -36,6 +45,7 @@ from halfway.contract import (
     FinalState,
     Outcome,
     SagaRole,
+    SubjectHeld,
     mint_key,
     step_id,
 )
@@ -43,6 +53,10 @@ from halfway.core import saga
 from halfway.core.fold import StepStatus, TaskState, TaskStatus
 
 REFUSALS_MAX = 3  # refused proposals for one step before the task gives up
+# How long a task waits for a subject another step holds, when its policy has no deadline.
+BLOCKED_WAIT_S_MAX = 86_400.0
+# The model's arguments, as JSON: a step and its refusal must fit a journal record with room.
+ARGS_BYTES_MAX = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,11 +105,20 @@ class Hold:
 
 
 @dataclass(frozen=True, slots=True)
+class WaitFor:
+    """The proposal for the next step was blocked by a subject another step holds: nothing to
+    decide until that step releases it (the shell wakes the task then), or until `until`."""
+
+    held: SubjectHeld
+    until: datetime
+
+
+@dataclass(frozen=True, slots=True)
 class Idle:
     """Nothing to do: not started, rejected or finished."""
 
 
-TaskMove = Start | Reject | Ask | Abort | Compensate | Finish | Hold | Idle
+TaskMove = Start | Reject | Ask | Abort | Compensate | Finish | Hold | WaitFor | Idle
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,8 +134,14 @@ class ToolFacts:
     once_per_subject: bool = False
 
 
-def decide(state: TaskState, *, known_tools: set[str], requested: bool,
-           now: datetime) -> TaskMove:
+def _never_held(_held: SubjectHeld) -> bool:
+    return False
+
+
+def decide(state: TaskState, *, known_tools: set[str], requested: bool, now: datetime,
+           still_held: Callable[[SubjectHeld], bool] = _never_held) -> TaskMove:
+    """The next move for a task. `still_held(h)`: whether the step that blocked a proposal
+    still holds that subject (the subject guard's answer, passed in: this stays pure)."""
     if state.status in (TaskStatus.REJECTED, TaskStatus.FINISHED):
         return Idle()
     if state.started is None:
@@ -132,7 +161,7 @@ def decide(state: TaskState, *, known_tools: set[str], requested: bool,
         return _undo(state, undoing)
     for step in state.steps.values():
         if step.effect.needs_attention:
-            return Hold(f"step {step.step_id} is unknown and needs an operator")
+            return Hold(f"step {step.step_id} needs an operator: {step.effect.attention_why}")
         if step.status in (StepStatus.INTENDED, StepStatus.IN_FLIGHT, StepStatus.UNKNOWN):
             return Hold(f"step {step.step_id} is {step.status}")
 
@@ -142,14 +171,26 @@ def decide(state: TaskState, *, known_tools: set[str], requested: bool,
     policy = state.started.policy
     n = state.next_step_n
     refused = state.refused(n)
+    counted = [r for r in refused if r.blocked is None]  # waiting is not the model's mistake
+    waiting = refused[-1].blocked if refused and still_held_by(refused[-1].blocked,
+                                                                  still_held) else None
     give_up = None
     if policy.deadline is not None and now >= policy.deadline:
         give_up = f"the deadline {policy.deadline:%Y-%m-%d %H:%M}Z passed"
+        if waiting is not None:
+            give_up += (f" while waiting for {waiting.subject}, which {waiting.holder} still "
+                        f"holds")
     elif len(state.steps) >= policy.max_steps:
         give_up = f"reached the limit of {policy.max_steps} steps"
-    elif len(refused) >= REFUSALS_MAX:
-        give_up = (f"the model's proposals for step {n} were refused {len(refused)} times; "
-                   f"the last: {refused[-1].reason}")
+    elif len(counted) >= REFUSALS_MAX:
+        give_up = (f"the model's proposals for step {n} were refused {len(counted)} times; "
+                   f"the last: {counted[-1].reason}")
+    elif waiting is not None:
+        until = policy.deadline or refused[-1].at + timedelta(seconds=BLOCKED_WAIT_S_MAX)
+        if now < until:
+            return WaitFor(waiting, until)
+        give_up = (f"waited for {waiting.subject} until {until:%Y-%m-%d %H:%M}Z; "
+                   f"{waiting.holder} still holds it")
     if give_up is not None:
         # A saga before its pivot is called off (and undone); anything else just fails.
         if policy.saga and not saga.past_pivot(state):
@@ -158,15 +199,19 @@ def decide(state: TaskState, *, known_tools: set[str], requested: bool,
     return Ask(n)
 
 
+def still_held_by(held: SubjectHeld | None, still_held: Callable[[SubjectHeld], bool]) -> bool:
+    return held is not None and still_held(held)
+
+
 def _undo(state: TaskState, why: str) -> TaskMove:
     """The next move of a saga being undone."""
     steps = sorted(state.steps.values(), key=lambda s: -s.n)
     for step in steps:
         if step.effect.needs_attention:
             return Finish(FinalState.NEEDS_ATTENTION,
-                          f"{why}; step {step.step_id} ({step.intent.tool}) is unknown and no "
-                          f"check is left: an operator must say whether it happened, then undo "
-                          f"it and the steps before it")
+                          f"{why}; step {step.step_id} ({step.intent.tool}): "
+                          f"{step.effect.attention_why}: an operator must say whether it "
+                          f"happened, then undo it and the steps before it")
     undos: list[tuple[int, str, dict[str, Any]]] = []
     for step in saga.undo_plan(state):
         plan, settlement = step.intent.compensation, step.effect.settlement
@@ -213,6 +258,14 @@ def _remaining(state: TaskState, n: int) -> str:
     return f"; not undone yet, waiting behind it: {', '.join(before)}" if before else ""
 
 
+def args_bytes(args: Any) -> int:
+    """The size of a proposal's arguments as JSON (anything unencodable counts as too big)."""
+    try:
+        return len(json.dumps(args, separators=(",", ":"), default=str).encode())
+    except (TypeError, ValueError, RecursionError, UnicodeEncodeError):
+        return ARGS_BYTES_MAX + 1
+
+
 def final_state_for(state: TaskState) -> FinalState:
     """What a task the model says is finished ends as."""
     last = state.steps[max(state.steps)] if state.steps else None
@@ -234,6 +287,10 @@ def accept_call(state: TaskState, n: int, tool: ToolFacts | None, tool_name: str
         return Refused(f"refused: {tool_name} is not allowed for this task")
     if tool is None:
         return Refused(f"refused: there is no tool named {tool_name}")
+    size_bytes = args_bytes(args)
+    if size_bytes > ARGS_BYTES_MAX:
+        return Refused(f"refused: the arguments for {tool_name} are {size_bytes} bytes of "
+                       f"JSON; at most {ARGS_BYTES_MAX} are accepted")
     try:
         parsed = tool.args_model.model_validate(args)
     except ValidationError as exc:

@@ -16,7 +16,20 @@ harmless with three rules:
 3. Settlements: a step's outcome is its first definitive settlement (`done` or `not_done`).
    An `unknown` is only ever replaced by a definitive one, and a definitive one is never
    replaced. A later definitive settlement that contradicts it is kept in `contradictions` and
-   surfaced; it is never silently dropped. A later one that agrees is redundant.
+   surfaced; it is never silently dropped. A later one that agrees is redundant, unless it
+   names another effect (a `done` with another `effect_id`: a second charge under one key),
+   which is a contradiction too. A report that says it cannot settle the effect
+   (`contradiction` set: another object, other amounts) goes to `contradictions` directly.
+   An effect with a contradiction needs an operator until one settles it in agreement.
+
+Fencing: a decision the log cannot accept is never a step. A paused decider wakes up and writes
+what it decided before the pause; the log orders that write against what happened meanwhile,
+and the fold refuses a `step.intended` that comes after the task finished (or was rejected),
+and one placed on a subject claim that the task's owner withdrew
+earlier in the log (`claim.withdrawn`: journaled before the claim is released on the guards
+topic, so no other task can hold the subject while that step could still be accepted). The
+same for a `compensation.intended` after the task finished or for a step that is not done.
+Refused decisions are kept in `not_accepted`, with why, and never executed.
 
 The fold never raises on a strange sequence (an attempt of a step never intended, a settlement
 of nothing): it cannot refuse what is already in the log. It records such events in `anomalies`
@@ -38,6 +51,7 @@ from types import MappingProxyType
 from typing import assert_never
 
 from halfway.contract.events import (
+    ClaimWithdrawn,
     CompensationAttempted,
     CompensationChecked,
     CompensationIntended,
@@ -45,6 +59,7 @@ from halfway.contract.events import (
     Event,
     FinalState,
     Outcome,
+    SettlementSource,
     StepAttempted,
     StepChecked,
     StepIntended,
@@ -87,6 +102,8 @@ class EffectState:
     settlement: Settlement | None = None  # the one that counts (rule 3)
     unknowns: tuple[Settlement, ...] = ()  # every unknown seen, in log order
     contradictions: tuple[Settlement, ...] = ()
+    # Contradictions an operator has seen and settled in agreement with the outcome.
+    acknowledged: int = 0
     last_check: Check | None = None
     checks: int = 0  # lookups that found nothing, for the backoff schedule
 
@@ -122,7 +139,18 @@ class EffectState:
         return replace(self, attempts=attempts)
 
     def with_settlement(self, event: Settlement) -> EffectState:
+        after = self._settled_by(event)
+        if (event.source is SettlementSource.OPERATOR and event.contradiction is None
+                and after.outcome is event.outcome):
+            # A person looked and agrees with (or just gave) the outcome: what contradicted it
+            # so far is acknowledged, and the effect no longer needs them.
+            after = replace(after, acknowledged=len(after.contradictions))
+        return after
+
+    def _settled_by(self, event: Settlement) -> EffectState:
         current = self.settlement
+        if event.contradiction is not None:
+            return self._contradicted_by(event)  # a report that cannot settle the effect
         if event.outcome is Outcome.UNKNOWN:
             if current is not None and current.outcome is not Outcome.UNKNOWN:
                 return self  # an unknown never replaces a definitive outcome
@@ -131,8 +159,11 @@ class EffectState:
             return replace(self, settlement=event, unknowns=(*self.unknowns, event))
         if current is None or current.outcome is Outcome.UNKNOWN:
             return replace(self, settlement=event)
-        if current.outcome is event.outcome:
+        if current.outcome is event.outcome and not _other_effect(current, event):
             return self  # agrees with the outcome already known
+        return self._contradicted_by(event)
+
+    def _contradicted_by(self, event: Settlement) -> EffectState:
         if any(_same_fact(c, event) for c in self.contradictions):
             return self  # the same contradiction, written twice
         return replace(self, contradictions=(*self.contradictions, event))
@@ -145,12 +176,36 @@ class EffectState:
         return replace(self, last_check=event, checks=self.checks + 1)
 
     @property
-    def needs_attention(self) -> bool:
-        """Unknown, and the harness has said it will not check again: a person must decide."""
+    def escalated(self) -> bool:
+        """Unknown, and the harness has said it will not check again."""
         check = self.last_check
         return (self.status in (StepStatus.UNKNOWN, StepStatus.IN_FLIGHT)
                 and check is not None and check.next_check_at is None
                 and (self.settlement is None or check.at >= self.settlement.at))
+
+    @property
+    def contradicted(self) -> bool:
+        """Reports about the effect disagree, and no operator has settled it since."""
+        return len(self.contradictions) > self.acknowledged
+
+    @property
+    def needs_attention(self) -> bool:
+        """A person must decide: escalated, or contradicted."""
+        return self.escalated or self.contradicted
+
+    @property
+    def attention_why(self) -> str:
+        """Why a person must decide, in words (empty when nobody needs to)."""
+        if self.contradicted:
+            latest = self.contradictions[-1]
+            said = latest.contradiction or (
+                f"a later report ({latest.source}) says {latest.outcome}"
+                + (f" ({latest.effect_id})" if latest.effect_id else "")
+                + (f": {latest.reason}" if latest.reason else ""))
+            return f"reports about it contradict each other: {said}"
+        if self.escalated:
+            return "it is unknown and no further check is planned"
+        return ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +233,14 @@ class StepState:
 
 
 @dataclass(frozen=True, slots=True)
+class NotAccepted:
+    """A decision in the log that the fold refused, and why (in words for people)."""
+
+    event: StepIntended | CompensationIntended
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class TaskState:
     task_id: str
     status: TaskStatus | None = None  # None: nothing known of this task yet
@@ -191,6 +254,11 @@ class TaskState:
     # Events about effects whose step is not (yet) in the log; kept, never dropped.
     orphans: tuple[Event, ...] = ()
     anomalies: tuple[str, ...] = ()
+    # Subject claims the task's owner withdrew (claim.withdrawn): no step placed on one of
+    # them later in the log is accepted.
+    withdrawn_claims: frozenset[str] = frozenset()
+    # Decisions the log cannot accept (a paused decider's late write): never executed.
+    not_accepted: tuple[NotAccepted, ...] = ()
     # Event ids already applied (rule 1): bookkeeping, not part of what the task *is*.
     applied: frozenset[str] = field(default=frozenset(), compare=False)
 
@@ -274,6 +342,9 @@ def apply(state: TaskState, event: Event) -> TaskState:
         case StepIntended():
             if event.n in state.steps:
                 return state  # rule 2: the first decision is the decision
+            why = _why_not_accepted(state, event)
+            if why is not None:
+                return _not_accepted(state, event, why)
             steps = dict(state.steps)
             steps[event.n] = StepState(intent=event)
             state = replace(state, steps=MappingProxyType(steps))
@@ -284,7 +355,26 @@ def apply(state: TaskState, event: Event) -> TaskState:
             # Every refusal counts, even one that repeats an earlier one word for word: a
             # model that keeps proposing the same thing must run into REFUSALS_MAX.
             return replace(state, refusals=(*state.refusals, event))
-        case StepAttempted() | StepSettled() | StepChecked() | CompensationIntended() | \
+        case ClaimWithdrawn():
+            _, n = parse_step_id(event.step_id)
+            step = state.steps.get(n)
+            if step is not None and step.intent.claim_id in event.claim_ids:
+                return _note(state, event, f"void: step {event.step_id} was already placed on "
+                             f"claim {step.intent.claim_id}, which it holds until it settles")
+            return replace(state, withdrawn_claims=state.withdrawn_claims | set(event.claim_ids))
+        case CompensationIntended():
+            _, n = parse_step_id(event.step_id)
+            step = state.steps.get(n)
+            if step is not None and step.compensation is not None:
+                return state  # rule 2: the first undo of a step is its undo
+            if state.finished is not None:
+                return _not_accepted(state, event, f"written after the task finished "
+                                     f"({state.finished.state}) by a stale decider")
+            if step is not None and step.outcome is not Outcome.DONE:
+                return _not_accepted(state, event, f"step {event.step_id} is not done "
+                                     f"({step.status}), so there is nothing to undo")
+            return _apply_to_step(state, event)
+        case StepAttempted() | StepSettled() | StepChecked() | \
                 CompensationAttempted() | CompensationSettled() | CompensationChecked():
             return _apply_to_step(state, event)
         case _:
@@ -345,6 +435,34 @@ def _adopt_orphans(state: TaskState, n: int) -> TaskState:
     for orphan in mine:
         state = _apply_to_step(state, orphan)  # type: ignore[arg-type]
     return state
+
+
+def _why_not_accepted(state: TaskState, intent: StepIntended) -> str | None:
+    """Why the log cannot accept this decision (None: it can)."""
+    if state.finished is not None:
+        return (f"written after the task finished ({state.finished.state}) by a stale "
+                f"decider; never executed")
+    if state.rejected is not None:
+        return "written after the task was rejected; never executed"
+    if intent.claim_id is not None and intent.claim_id in state.withdrawn_claims:
+        return (f"its subject claim {intent.claim_id} on {intent.subject} was withdrawn "
+                f"earlier in the log (the decider that wrote it had lost the task); never "
+                f"executed")
+    return None
+
+
+def _not_accepted(state: TaskState, event: StepIntended | CompensationIntended,
+                  why: str) -> TaskState:
+    if any(_same_fact(n.event, event) for n in state.not_accepted):
+        return state  # a second writer's copy of a decision already refused
+    state = _note(state, event, f"not accepted: {why}")
+    return replace(state, not_accepted=(*state.not_accepted, NotAccepted(event, why)))
+
+
+def _other_effect(known: Settlement, event: Settlement) -> bool:
+    """Two `done` reports that name different effects: the provider did it twice."""
+    return (known.outcome is Outcome.DONE and known.effect_id is not None
+            and event.effect_id is not None and known.effect_id != event.effect_id)
 
 
 def _same_fact(a: Event, b: Event) -> bool:

@@ -11,18 +11,28 @@ The decider claims (`subject.claimed`) before it places a step with a subject, a
 only once its claim is confirmed first in the log: `GuardBook.apply` gives every claim its
 verdict, the same one in every instance that reads the partition, after any restart.
 
-- A claim is granted when no other step holds the same tool on the subject. The holder keeps
+- A claim is granted when no other claim holds the same tool on the subject. The holder keeps
   it while its step is intended, in flight or unknown: moving on while a charge may have
   happened is how customers pay twice.
-- A claim by the step that already holds it is granted again (a retried question, a zombie).
-- A release (`subject.released`) by the holder frees the subject. A tool declared
+- A claim is a single record, named by its event id: a second claim by the same step is not
+  the same claim and is blocked while the first holds (the first is withdrawn, then released,
+  before its step claims again). One step, one live claim: a step placed on a claim is placed
+  on the only claim that can hold the subject for it.
+- A release (`subject.released`) of the claim that holds the subject frees it. A tool declared
   `once_per_subject` that was `done` leaves a mark instead: its claims on the subject are then
   blocked for good, by any task, however much later.
-- A release by a step that does not hold the subject changes nothing (a duplicate).
+- A release of a claim that does not hold the subject changes nothing (a duplicate, or a
+  paused decider's late release of an older claim: it must never free a newer one).
 
-`stale_claims` says which claims a task's owner must release, from the task's journal: the
-holder's step settled, or the claim never became the step (a crash between the claim and
-`step.intended`, or another proposal placed instead).
+`guard_moves` says what a task's owner must do with its claims, from the task's journal:
+release it when its step settled; when the claim never became the step (a crash between the
+claim and `step.intended`, a paused decider, another proposal placed instead), withdraw it in
+the task's journal first (`claim.withdrawn`), and release it only once the journal accepted
+the withdrawal. Why that order is enough: a release of an abandoned claim is written only after
+a withdrawal that the fold accepted, so every `step.intended` placed on that claim either came
+before the withdrawal (then the withdrawal is void, the step holds the claim and no release is
+written) or after it (then the fold refuses the step and nothing executes it). No other task
+can hold the subject while a step on the claim could still be accepted.
 """
 
 from __future__ import annotations
@@ -30,8 +40,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from halfway.contract import Outcome, parse_step_id
-from halfway.contract.guards import Release, SubjectClaimed, SubjectReleased
+from halfway.contract import Outcome, StepIntended, parse_step_id
+from halfway.contract.guards import Release as ReleaseKind
+from halfway.contract.guards import SubjectClaimed, SubjectReleased
 from halfway.core.fold import TaskState
 
 
@@ -43,6 +54,8 @@ class Granted:
 @dataclass(frozen=True, slots=True)
 class Blocked:
     reason: str  # in words the model can read
+    holder: str | None = None  # the step holding the subject (None: a once-per-subject mark)
+    own: bool = False  # held by an earlier claim of the same step: withdraw that first
 
 
 Verdict = Granted | Blocked
@@ -72,19 +85,28 @@ class GuardBook:
         holder = subject.holder
         if holder is None or holder.step_id != record.step_id:
             return None  # not the holder: a duplicate or a stale release
+        if record.claim_id is not None and record.claim_id != holder.event_id:
+            return None  # a late release of an older claim of this step
         subject.holder = None
         self._held.get(holder.task_id, {}).pop(holder.step_id, None)
-        if record.release is Release.DONE and holder.once_per_subject:
+        if not self._held.get(holder.task_id):
+            self._held.pop(holder.task_id, None)
+        if record.release is ReleaseKind.DONE and holder.once_per_subject:
             subject.done_by = holder
         return None
 
     def _claim(self, subject: _Subject, claim: SubjectClaimed) -> Verdict:
         holder, done = subject.holder, subject.done_by
+        if holder is not None and holder.event_id == claim.event_id:
+            return Granted()  # the same record, read again
         if holder is not None and holder.step_id == claim.step_id:
-            return Granted()
+            return Blocked(f"blocked: an earlier claim of {claim.step_id} on {claim.subject} "
+                           f"still holds it; it is withdrawn before the step claims again",
+                           holder=holder.step_id, own=True)
         if holder is not None:
             return Blocked(f"blocked: {holder.step_id} on {claim.subject} is still unknown "
-                           f"(not settled yet); {claim.tool} waits until it is")
+                           f"(not settled yet); {claim.tool} waits until it is",
+                           holder=holder.step_id)
         if claim.once_per_subject and done is not None and done.step_id != claim.step_id:
             return Blocked(f"blocked: {done.step_id} already did {claim.tool} on "
                            f"{claim.subject}; {claim.tool} happens once per subject")
@@ -92,27 +114,68 @@ class GuardBook:
         self._held.setdefault(claim.task_id, {})[claim.step_id] = claim
         return Granted()
 
+    def holder_of(self, tool: str, subject: str) -> SubjectClaimed | None:
+        """The claim holding `subject` for `tool` now, if any."""
+        found = self._subjects.get((tool, subject))
+        return None if found is None else found.holder
+
     def held_by(self, task_id: str) -> Mapping[str, SubjectClaimed]:
         """The claims steps of `task_id` hold now, by step id."""
         return dict(self._held.get(task_id, {}))
 
 
-def stale_claims(claims: Iterable[SubjectClaimed], state: TaskState,
-                 placing: set[int]) -> list[tuple[SubjectClaimed, Release]]:
-    """The claims of `state`'s task to release, and how. `placing`: step numbers whose claim
-    is being turned into a step right now (leave those alone)."""
-    out: list[tuple[SubjectClaimed, Release]] = []
+@dataclass(frozen=True, slots=True)
+class Withdraw:
+    """Journal `claim.withdrawn` for these claims of one step (they never became the step)."""
+
+    claims: tuple[SubjectClaimed, ...]
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Write `subject.released` for the claim."""
+
+    claim: SubjectClaimed
+    release: ReleaseKind
+
+
+GuardMove = Withdraw | Release
+
+
+def guard_moves(claims: Iterable[SubjectClaimed], state: TaskState,
+                placing: set[int]) -> list[GuardMove]:
+    """What the owner of `state`'s task must do with the claims its steps hold. `placing`:
+    step numbers whose claim is being turned into a step by this process right now (leave
+    those alone: the claim is not abandoned, it is about to be used)."""
+    withdraw: dict[int, list[SubjectClaimed]] = {}
+    out: list[GuardMove] = []
     for claim in claims:
         _, n = parse_step_id(claim.step_id)
         step = state.steps.get(n)
-        if step is None:
-            if n not in placing:
-                out.append((claim, Release.ABANDONED))
+        if step is not None and _placed_on(step.intent, claim):
+            if step.outcome is Outcome.DONE:
+                out.append(Release(claim, ReleaseKind.DONE))
+            elif step.outcome is Outcome.NOT_DONE:
+                out.append(Release(claim, ReleaseKind.NOT_DONE))
+            continue  # the step holds its claim until it settles
+        if step is None and n in placing:
             continue
-        if (step.intent.tool, step.intent.subject) != (claim.tool, claim.subject):
-            out.append((claim, Release.ABANDONED))  # another proposal became this step
-        elif step.outcome is Outcome.DONE:
-            out.append((claim, Release.DONE))
-        elif step.outcome is Outcome.NOT_DONE:
-            out.append((claim, Release.NOT_DONE))
+        if claim.event_id in state.withdrawn_claims:
+            out.append(Release(claim, ReleaseKind.ABANDONED))
+        else:
+            withdraw.setdefault(n, []).append(claim)
+    for n, mine in sorted(withdraw.items()):
+        step = state.steps.get(n)
+        why = ("another proposal became the step" if step is not None
+               else "the claim never became a step (a decider crashed or paused between "
+                    "claiming and deciding)")
+        out.append(Withdraw(tuple(mine), why))
     return out
+
+
+def _placed_on(intent: StepIntended, claim: SubjectClaimed) -> bool:
+    if intent.claim_id is not None:
+        return intent.claim_id == claim.event_id
+    # Steps journaled before claims were named: the step's tool and subject are its claim's.
+    return (intent.tool, intent.subject) == (claim.tool, claim.subject)

@@ -23,6 +23,11 @@ point, makes the same move.
   needs an operator (`Escalate`); it is never rounded to failure.
 - Reads are never unknown: a read that fails is retried up to `read_attempts_max` times, then
   settled `not_done` (a read that did not happen changed nothing).
+- A provider that replays its saved answer (`Idempotent-Replayed`: a 5xx saved under the key)
+  gives the same answer to every retry with that key: no retry is spent on it; lookups go on.
+- An attempt leaves within `send_window_s` of its journaled start or never (the executor
+  checks just before sending): a paused executor that wakes up later does not send. Proofs
+  that rest on "everything sent has finished" (`completes_within_s`) count that window too.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from halfway.core.fold import EffectState
 # first (a slow provider usually lands within seconds), then backing off to ten minutes.
 CHECK_DELAYS_S: tuple[float, ...] = (0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
 CRASH_REASON = "the harness stopped while the call was in flight; it may have happened"
+# An attempt is sent within this long of its journaled start, or not at all.
+SEND_WINDOW_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +62,7 @@ class StepPolicy:
     # nothing proves `not_done`. None: nothing found proves nothing.
     completes_within_s: float | None = None
     check_delays_s: tuple[float, ...] = CHECK_DELAYS_S
+    send_window_s: float = SEND_WINDOW_S
 
     def __post_init__(self) -> None:
         assert self.effect_class is not EffectClass.KEYED or self.key_ttl_s, "keyed needs a ttl"
@@ -160,6 +168,9 @@ def _why_no_retry(effect: EffectState, policy: StepPolicy, now: datetime) -> str
     """None if one more attempt with the same key is safe now; else why not, in words."""
     if policy.effect_class is EffectClass.UNKEYED:
         return "the provider takes no key, so a retry could do it twice"
+    if effect.unknowns and effect.unknowns[-1].replayed:
+        return ("the provider replays its saved answer to this key, so a retry would only "
+                "get the same answer")
     if len(effect.attempts) >= policy.attempts_max:
         return f"all {policy.attempts_max} attempts are used"
     if policy.effect_class is EffectClass.KEYED:
@@ -177,10 +188,12 @@ def on_nothing_found(effect: EffectState, policy: StepPolicy,
     finished every attempt, else when to look again (None: lookups are over)."""
     if policy.completes_within_s is not None and effect.attempts:
         last_sent = max(a.started_at for a in effect.attempts)
-        if now >= last_sent + timedelta(seconds=policy.completes_within_s):
+        bound_s = policy.send_window_s + policy.completes_within_s
+        if now >= last_sent + timedelta(seconds=bound_s):
             return SettleNotDone(
                 f"nothing found {(now - last_sent).total_seconds():.0f} s after the last "
-                f"attempt, and the provider finishes every request within "
+                f"attempt, and every attempt leaves within {policy.send_window_s:g} s of "
+                f"being journaled and the provider finishes every request within "
                 f"{policy.completes_within_s:g} s")
     return plan_check(effect, policy, now)
 

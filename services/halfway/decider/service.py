@@ -7,11 +7,23 @@ at most once at a time per step in this process; `step.intended` is appended (ac
 anything else can happen to it. Model calls run as their own tasks, so a slow model never
 blocks other tasks on the same partition.
 
-A step with a subject is placed only once the subject guard grants its claim (GuardView):
-otherwise the proposal is refused with the guard's reason. Claims are released here too, when
-their step settles (or never became a step). A failing saga's undos are journaled here
-(`Compensate`); the executor performs them.
+A step with a subject is placed only once the subject guard grants its claim (GuardView), and
+names its claim (`claim_id`). A proposal blocked by a subject another step holds is journaled
+as a refusal that names the holder, and the task waits for the holder's release (the guard
+view tells this service when one is folded), bounded by the task's deadline; a proposal
+blocked for good (a once-per-subject effect already done) is a refusal like any other.
+
+Claims are released here too (`guard_moves`): when their step settles, or, for a claim that
+never became its step, only after the task's journal accepted its withdrawal
+(`claim.withdrawn`), which fences a paused decider's late `step.intended` placed on it (see
+`halfway.core.guard`). A failing saga's undos are journaled here (`Compensate`); the executor
+performs them.
+
+Nothing one task holds stops the others (`JournalFollower.for_each`): a task whose move keeps
+failing is tried again with backoff, and after FAILURES_MAX failures finished
+`needs_attention` with the error. A request too large to copy into the journal is rejected.
 """
+
 
 from __future__ import annotations
 
@@ -21,24 +33,29 @@ from typing import Any
 
 from halfway import log
 from halfway.contract import (
+    ClaimWithdrawn,
     CompensationIntended,
     DecidedBy,
     EffectClass,
     Event,
+    FinalState,
     StepIntended,
     StepRefused,
+    SubjectHeld,
     TaskAborted,
     TaskFinished,
     TaskRejected,
     TaskStarted,
+    encode_event,
     mint_undo_key,
     step_id,
 )
 from halfway.contract.events import new_event_id
-from halfway.contract.guards import SubjectClaimed
+from halfway.contract.guards import GuardRecord, SubjectClaimed, SubjectReleased
 from halfway.contract.topics import TASKS
 from halfway.core import saga
 from halfway.core.decide import (
+    ARGS_BYTES_MAX,
     Abort,
     Ask,
     Compensate,
@@ -46,12 +63,15 @@ from halfway.core.decide import (
     Refused,
     Reject,
     Start,
+    WaitFor,
     accept_call,
+    args_bytes,
     decide,
     final_state_for,
 )
 from halfway.core.fold import TaskState, apply
-from halfway.core.guard import Blocked, stale_claims
+from halfway.core.guard import Blocked, Release, Withdraw, guard_moves
+from halfway.failpoints import failpoint
 from halfway.journal import JournalWriter
 from halfway.journal.follower import JournalFollower, run_until_cancelled
 from halfway.journal.guards import GuardView
@@ -62,6 +82,10 @@ from halfway.tools.registry import Registry
 
 MODEL_CALLS_MAX = 64  # questions in flight at once; more wait for a slot
 MODEL_TIMEOUT_S = 120.0
+# A request is copied into `task.started`; past this it could not be journaled with room.
+TASK_REQUEST_BYTES_MAX = 256 * 1024
+TOOL_NAME_CHARS_MAX = 200  # of a proposed tool name, as journaled in a refusal
+ERROR_CHARS_MAX = 1000  # of an error, in the summary of a task given up on
 
 
 class Decider:
@@ -75,9 +99,15 @@ class Decider:
         group = group or f"{settings.topic_prefix}decider"
         self.follower = JournalFollower(settings, group=group, writer=writer,
                                         on_change=self._on_change, side=TASKS)
-        self.guards = GuardView(settings, writer)
+        self.follower.on_give_up = self._give_up
+        self.guards = GuardView(settings, writer, on_record=self._on_guard_record)
         self._asking: dict[tuple[str, int], asyncio.Task[None]] = {}
-        self._released: set[str] = set()  # claims (event ids) this process released
+        # Claims (event ids) this process released, per task, while the guard still lists them.
+        self._released: dict[str, set[str]] = {}
+        # Tasks waiting for a subject held by another step: (tool, subject) -> task ids. Bounded
+        # by the tasks waiting; each is also woken at its deadline by a timer.
+        self._waiting: dict[tuple[str, str], set[str]] = {}
+        self._timers: dict[str, asyncio.TimerHandle] = {}
         self._slots = asyncio.Semaphore(MODEL_CALLS_MAX)
         self._log = log.get("halfway.decider")
 
@@ -91,6 +121,8 @@ class Decider:
         finally:
             for task in self._asking.values():
                 task.cancel()
+            for timer in self._timers.values():
+                timer.cancel()
             await self.follower.stop()
             await self.guards.stop()
 
@@ -103,19 +135,44 @@ class Decider:
         request = self.follower.requests.get(task_id)
         return apply(state, request) if request is not None and state.request is None else state
 
+    def _decide(self, state: TaskState) -> Any:
+        return decide(state, known_tools=self.registry.names(),
+                      requested=state.task_id in self.follower.requests, now=datetime.now(UTC),
+                      still_held=self._still_held)
+
+    def _still_held(self, held: SubjectHeld) -> bool:
+        holder = self.guards.book.holder_of(held.tool, held.subject)
+        return holder is not None and holder.step_id == held.holder
+
+    def _on_guard_record(self, record: GuardRecord) -> None:
+        """The guard view folded a record: wake the tasks it concerns."""
+        if self.follower.owns(record.task_id):
+            self.follower.touch(record.task_id)  # a claim of one of ours: is it abandoned?
+        if isinstance(record, SubjectReleased):
+            for task_id in self._waiting.pop((record.tool, record.subject), ()):
+                self.follower.touch(task_id)
+
     async def _on_change(self, task_ids: set[str]) -> None:
-        for task_id in task_ids:
-            with log.bound(task_id=task_id):
-                await self._advance(task_id)
+        await self.follower.for_each(task_ids, self._advance)
 
     async def _advance(self, task_id: str) -> None:
-        state = self._state(task_id)
-        await self._release_claims(state)
-        move = decide(state, known_tools=self.registry.names(),
-                      requested=task_id in self.follower.requests, now=datetime.now(UTC))
+        with log.bound(task_id=task_id):
+            state = self._state(task_id)
+            if await self._move_claims(state):
+                return  # a withdrawal is journaled: nothing is asked until the fold has it
+            await self._make(task_id, self._decide(state))
+
+    async def _make(self, task_id: str, move: Any) -> None:
         match move:
             case Start():
                 request = self.follower.requests[task_id]
+                size_bytes = len(encode_event(request))
+                if size_bytes > TASK_REQUEST_BYTES_MAX:
+                    await self._write(TaskRejected(
+                        **stamp(task_id), reason=f"the request is {size_bytes} bytes; at most "
+                        f"{TASK_REQUEST_BYTES_MAX} are accepted (its input is copied into the "
+                        f"journal)"))
+                    return
                 await self._write(TaskStarted(**stamp(task_id), input=request.input,
                                               allowed_tools=request.allowed_tools,
                                               policy=request.policy))
@@ -133,10 +190,27 @@ class Decider:
                 self._log.info("undoing the saga", why=why, steps=[n for n, *_ in undos])
             case Finish(state=final, summary=summary):
                 await self._write(TaskFinished(**stamp(task_id), state=final, summary=summary))
+            case WaitFor(held=held, until=until):
+                self._wait(task_id, held, until)
             case Ask(n=n) if (task_id, n) not in self._asking:
                 self._asking[(task_id, n)] = asyncio.create_task(self._ask(task_id, n))
             case _:
                 pass  # Hold, Idle, or a question already in flight
+
+    def _wait(self, task_id: str, held: SubjectHeld, until: datetime) -> None:
+        """Wake the task when the subject is released (the guard view says so), or at `until`."""
+        self._waiting.setdefault((held.tool, held.subject), set()).add(task_id)
+        if (old := self._timers.pop(task_id, None)) is not None:
+            old.cancel()
+        delay_s = max(0.0, (until - datetime.now(UTC)).total_seconds())
+
+        def wake() -> None:
+            self._timers.pop(task_id, None)
+            self.follower.touch(task_id)
+
+        self._timers[task_id] = asyncio.get_running_loop().call_later(delay_s, wake)
+        self._log.info("waiting for a subject", subject=held.subject, holder=held.holder,
+                       until=until.isoformat())
 
     async def _ask(self, task_id: str, n: int) -> None:
         with log.bound(task_id=task_id, step_id=f"{task_id}:{n}"):
@@ -153,16 +227,21 @@ class Decider:
                 del self._asking[(task_id, n)]
                 self.follower.touch(task_id)
 
-    async def _place(self, task_id: str, n: int, proposal: Any) -> None:
+    def _still_asking(self, task_id: str, n: int) -> bool:
+        """The task is still ours and still waits for step `n` (it may have moved on while the
+        model thought, or while the guard's verdict came)."""
         if not self.follower.owns(task_id):
-            self._log.info("the task moved to another decider while the model thought; "
-                           "answer dropped")
+            self._log.info("the task moved to another decider; answer dropped")
+            return False
+        if self._decide(self._state(task_id)) != Ask(n):
+            self._log.warning("the task moved on while the model thought; answer dropped")
+            return False
+        return True
+
+    async def _place(self, task_id: str, n: int, proposal: Any) -> None:
+        if not self._still_asking(task_id, n):
             return
         state = self._state(task_id)
-        if decide(state, known_tools=self.registry.names(), requested=True,
-                  now=datetime.now(UTC)) != Ask(n):
-            self._log.warning("the task moved on while the model thought; answer dropped")
-            return
         if isinstance(proposal, ProposeFinish):
             await self._write(TaskFinished(**stamp(task_id), state=final_state_for(state),
                                            summary=proposal.summary))
@@ -181,28 +260,75 @@ class Decider:
                                    step_id=fields["step_id"], task_id=task_id,
                                    once_per_subject=tool.spec.once_per_subject)
             verdict = await self.guards.claim(claim)
-            if isinstance(verdict, Blocked):  # the model reads why, and may wait or do otherwise
-                await self._refuse(task_id, n, proposal, verdict.reason, decided_by)
+            if isinstance(verdict, Blocked):
+                if verdict.own:
+                    # An older claim of this very step still holds the subject: it is
+                    # withdrawn and released first, then the model is asked again.
+                    self._log.info("an earlier claim of this step holds the subject",
+                                   subject=claim.subject)
+                    return
+                held = None if verdict.holder is None else SubjectHeld(
+                    subject=claim.subject, tool=claim.tool, holder=verdict.holder)
+                await self._refuse(task_id, n, proposal, verdict.reason, decided_by,
+                                   blocked=held)
                 return
+            fields["claim_id"] = claim.event_id
+            # The log fences a stale write anyway (a withdrawn claim voids the step); this
+            # only spares writing one.
+            if not self._still_asking(task_id, n):
+                return
+            failpoint("decider.claimed", task_id)  # tests: a pause right here
         intent = StepIntended(**stamp(task_id), **fields, decided_by=decided_by)
         await self._write(intent)
         self._log.info("step decided", tool=intent.tool, key=intent.key)
 
     async def _refuse(self, task_id: str, n: int, proposal: Any, reason: str,
-                      decided_by: DecidedBy) -> None:
+                      decided_by: DecidedBy, blocked: SubjectHeld | None = None) -> None:
         """Nothing is placed. The refusal is journaled so the model, asked again, reads why."""
-        await self._write(StepRefused(**stamp(task_id), n=n, tool=proposal.tool,
-                                      args=proposal.args, reason=reason, decided_by=decided_by))
-        self._log.warning("proposal refused", reason=reason)
+        args = proposal.args if args_bytes(proposal.args) <= ARGS_BYTES_MAX else {}
+        await self._write(StepRefused(**stamp(task_id), n=n,
+                                      tool=str(proposal.tool)[:TOOL_NAME_CHARS_MAX] or "?",
+                                      args=args, reason=reason, decided_by=decided_by,
+                                      blocked=blocked))
+        self._log.warning("proposal refused", reason=reason, waits=blocked is not None)
 
-    async def _release_claims(self, state: TaskState) -> None:
-        """Release the guard claims of this task's steps that settled or never became steps."""
-        held = self.guards.book.held_by(state.task_id).values()
-        placing = {n for (task_id, n) in self._asking if task_id == state.task_id}
-        for claim, release in stale_claims(held, state, placing):
-            if claim.event_id not in self._released:
-                await self.guards.release(claim, release)
-                self._released.add(claim.event_id)
+    async def _move_claims(self, state: TaskState) -> bool:
+        """Release the task's claims whose step settled; withdraw, then release, those that
+        never became their step. True while a withdrawal waits for the fold."""
+        task_id = state.task_id
+        held = self.guards.book.held_by(task_id)
+        released = self._released.setdefault(task_id, set())
+        released &= {claim.event_id for claim in held.values()}  # what the guard still lists
+        if not released:
+            del self._released[task_id]
+        placing = {n for (t, n) in self._asking if t == task_id}
+        withdrew = False
+        for move in guard_moves(held.values(), state, placing):
+            match move:
+                case Withdraw(claims=claims, reason=reason):
+                    first = claims[0]
+                    await self._write(ClaimWithdrawn(
+                        **stamp(task_id), step_id=first.step_id, subject=first.subject,
+                        tool=first.tool, claim_ids=[c.event_id for c in claims], reason=reason))
+                    self._log.info("claims withdrawn", step_id=first.step_id, reason=reason)
+                    withdrew = True
+                case Release(claim=claim, release=kind) if claim.event_id not in released:
+                    await self.guards.release(claim, kind)
+                    self._released.setdefault(task_id, set()).add(claim.event_id)
+        return withdrew
+
+    async def _give_up(self, task_id: str, exc: BaseException) -> None:
+        """The task's moves kept failing: end it visibly instead of retrying in silence."""
+        state = self._state(task_id)
+        if state.finished is not None or state.rejected is not None:
+            return
+        error = f"{type(exc).__name__}: {exc}"[:ERROR_CHARS_MAX]
+        if state.started is None:
+            await self._write(TaskRejected(**stamp(task_id),
+                                           reason=f"halfway could not start it: {error}"))
+            return
+        await self._write(TaskFinished(**stamp(task_id), state=FinalState.NEEDS_ATTENTION,
+                                       summary=f"halfway could not move this task: {error}"))
 
     async def _write(self, event: Event) -> None:
         meta = await self.writer.append(event)

@@ -10,6 +10,12 @@ once), so a slow provider never blocks other tasks on the same partition. After 
 follower replays the journal, and every "attempted, no outcome" step is settled unknown, so
 the reconciler looks it up before anything else is sent. A step never sent whose task was
 aborted, or whose saga is being undone, is settled `not_done` instead of sent.
+
+Fencing: the executor runs only what the fold accepted (a late `step.intended` of a paused
+decider never becomes a step). A paused executor is fenced too: an attempt is sent only within
+`send_window_s` of its journaled start (checked just before sending), and an `unkeyed` tool,
+which nothing at the provider dedupes, is sent only by the executor whose `step.attempted` is
+first in the log for that attempt (it waits until its own fold has read its write back).
 """
 
 from __future__ import annotations
@@ -17,10 +23,13 @@ from __future__ import annotations
 import asyncio
 from datetime import UTC, datetime
 
+from aiokafka.structs import RecordMetadata
+
 from halfway import log
-from halfway.contract import EffectClass, Event, Outcome, SettlementSource
-from halfway.core.classify import TimedOut, classify
+from halfway.contract import EffectClass, Event, Outcome, SettlementSource, parse_step_id
+from halfway.core.classify import NotSent, Replied, TimedOut, classify
 from halfway.core.effects import Effect, effects_to_work
+from halfway.core.fold import Attempt
 from halfway.core.next_action import (
     Action,
     Call,
@@ -43,6 +52,8 @@ from halfway.tools.spec import CallContext, Succeeded
 CALLS_IN_FLIGHT_MAX = 1000
 # A guard beyond the adapter's own timeout: an adapter that hangs is a timeout too.
 TIMEOUT_GRACE_S = 2.0
+# How long an unkeyed attempt waits for its own record to be read back (then it is not sent).
+CONFIRM_TIMEOUT_S = 10.0
 
 
 class Executor(StepWorker):
@@ -59,13 +70,15 @@ class Executor(StepWorker):
 
     async def _on_change(self, task_ids: set[str]) -> None:
         now = datetime.now(UTC)
-        for task_id in task_ids:
-            state = self.follower.states.get(task_id)
-            if state is None:
-                continue
-            for effect in effects_to_work(state, now):
-                if not self.busy(effect):
-                    self._consider(effect, now)
+        await self.follower.for_each(task_ids, lambda task_id: self._advance(task_id, now))
+
+    async def _advance(self, task_id: str, now: datetime) -> None:
+        state = self.follower.states.get(task_id)
+        if state is None:
+            return
+        for effect in effects_to_work(state, now):
+            if not self.busy(effect):
+                self._consider(effect, now)
 
     def _consider(self, effect: Effect, now: datetime) -> None:
         if effect.called_off is not None:
@@ -101,9 +114,27 @@ class Executor(StepWorker):
             case Call(attempt=n):
                 assert tool is not None
                 spec = tool.spec
-                await self._write(effect.attempted(stamp(task_id), n, datetime.now(UTC)))
+                attempted = effect.attempted(stamp(task_id), n, datetime.now(UTC))
+                meta = await self._write(attempted)
                 # Write before acting: from here on, a crash leaves "attempted, no outcome".
                 args = spec.args_model.model_validate(dict(effect.args))
+                if not await self._may_send(effect, spec.effect_class, attempted, meta):
+                    return
+                late_s = (datetime.now(UTC) - attempted.started_at).total_seconds()
+                if late_s > spec.policy().send_window_s:
+                    # Paused between the journal and the wire: the world may have moved on
+                    # (lookups, a not_done proof, another task's claim). Never send it now.
+                    self._log.warning("not sent: paused past the send window", attempt=n,
+                                      late_s=round(late_s, 3))
+                    if spec.effect_class is EffectClass.UNKEYED:
+                        # Confirmed ours alone: nothing else sends this attempt.
+                        verdict = classify(NotSent(f"not sent: the executor was paused "
+                                                   f"{late_s:.1f} s after journaling it"),
+                                           attempt=n)
+                        await self._write(effect.settled(
+                            stamp(task_id), outcome=verdict.outcome, attempt=n,
+                            source=SettlementSource.CALL, reason=verdict.reason))
+                    return
                 ctx = CallContext(effect.step_id, effect.key, n, spec.timeout_s)
                 try:
                     async with asyncio.timeout(spec.timeout_s + TIMEOUT_GRACE_S):
@@ -114,7 +145,7 @@ class Executor(StepWorker):
                 if isinstance(result, Succeeded):
                     await self._write(effect.settled(
                         stamp(task_id), outcome=Outcome.DONE, attempt=n,
-                        source=SettlementSource.CALL,
+                        source=SettlementSource.CALL, effect_id=spec.effect_id(result.evidence),
                         evidence={**result.evidence, "replayed": result.replayed}))
                 elif spec.effect_class is EffectClass.READ:
                     return  # reads are never unknown: next_action reads again, within bounds
@@ -122,7 +153,8 @@ class Executor(StepWorker):
                     verdict = classify(result, attempt=n)
                     await self._write(effect.settled(
                         stamp(task_id), outcome=verdict.outcome, attempt=n,
-                        source=SettlementSource.CALL, reason=verdict.reason))
+                        source=SettlementSource.CALL, reason=verdict.reason,
+                        replayed=isinstance(result, Replied) and result.replayed))
             case SettleUnknown(attempt=n, reason=reason):
                 await self._write(effect.settled(stamp(task_id), outcome=Outcome.UNKNOWN,
                                                  attempt=n, source=SettlementSource.CALL,
@@ -133,6 +165,28 @@ class Executor(StepWorker):
             case _:
                 raise AssertionError(f"unexpected action {action!r}")
 
-    async def _write(self, event: Event) -> None:
+    async def _may_send(self, effect: Effect, effect_class: EffectClass, attempted: Attempt,
+                        meta: RecordMetadata) -> bool:
+        """An unkeyed attempt goes out only from the executor whose record of it is first in
+        the log: two executors (one paused, one that took over) may both have journaled it,
+        and nothing at the provider would tell their requests apart."""
+        if effect_class is not EffectClass.UNKEYED:
+            return True  # the provider dedupes every copy by our key
+        if not await self.follower.applied(meta.partition, meta.offset, CONFIRM_TIMEOUT_S):
+            self._log.warning("not sent: the partition moved before the attempt was confirmed")
+            return False
+        state = self.follower.states.get(effect.task_id)
+        step = state.step(parse_step_id(effect.step_id)[1]) if state is not None else None
+        known = None if step is None else (step.undo if effect.undo else step.effect)
+        first = next((a for a in (known.attempts if known else ())
+                      if a.attempt == attempted.attempt), None)
+        if first is None or first.event_id != attempted.event_id:
+            self._log.warning("not sent: another executor's attempt came first in the log",
+                              attempt=attempted.attempt)
+            return False
+        return True
+
+    async def _write(self, event: Event) -> RecordMetadata:
         meta = await self.writer.append(event)
         self.follower.note_write(event.task_id, meta.partition, meta.offset)
+        return meta

@@ -15,18 +15,31 @@ Two rules keep a service from acting twice on its own writes:
 
 Offsets are never committed: every (re)start replays from zero, which is correct by
 construction and costs a full read of the owned partitions (snapshots would shorten it).
+
+Nothing a task holds can stop the others: a service acts on each changed task through
+`for_each`, which catches what the act raises, logs it, and tries that task again later with a
+bounded backoff (after FAILURES_MAX failures in a row the service is told once, to give up on
+the task visibly); the loop, the partition and every other task go on.
+
+Webhooks (the reconciler's side topic) are held until the journal partition of the same number
+has been read past the offset the gateway stamped on them (`WebhookReceived.journal_offset`):
+only then is it known whether the step they name was attempted before they arrived. Then they
+are handed over once (`take_webhooks`); the follower keeps no webhook longer than that. Held
+webhooks are bounded in number (the webhooks partition is paused past HELD_WEBHOOKS_MAX) and in
+time (past HELD_WEBHOOK_S_MAX one is handed over marked unordered, and quarantined).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 
 from halfway import log
-from halfway.contract import Event, TaskRequested
+from halfway.contract import CompensationAttempted, Event, StepAttempted, TaskRequested
 from halfway.contract.topics import JOURNAL, TASKS, WEBHOOKS, TopicSpec
 from halfway.contract.webhooks import WebhookReceived
 from halfway.core.fold import TaskState, apply
@@ -44,6 +57,19 @@ OnRevoke = Callable[[set[int]], None]
 # How long one fetch waits when the journal is quiet: also the latency of a timer the service
 # set (a due lookup) being acted on.
 IDLE_FETCH_MS = 100
+# A task whose act failed is tried again after RETRY_S_MIN, doubling up to RETRY_S_MAX; after
+# FAILURES_MAX failures in a row the service's `on_give_up` is called (once).
+RETRY_S_MIN = 0.5
+RETRY_S_MAX = 60.0
+FAILURES_MAX = 8
+# Webhooks waiting for the journal to be read past their offset, per partition; past this the
+# webhooks partition is paused until the journal catches up (resumed below half of it).
+HELD_WEBHOOKS_MAX = 10_000
+# A webhook held this long (its journal offset beyond anything the journal reaches: not a real
+# gateway's stamp) is handed over as unordered, and quarantined.
+HELD_WEBHOOK_S_MAX = 300.0
+# How often the webhooks partitions' "weighed up to here" offsets are committed.
+WEBHOOK_COMMIT_INTERVAL_S = 1.0
 
 
 @dataclass
@@ -52,6 +78,23 @@ class _Partition:
     applied_to: int = -1  # offset of the last record applied (valid or not)
     caught_up: bool = False
     tasks: set[str] = field(default_factory=set)
+    # Webhooks partitions: every webhook below this offset has been weighed by some instance
+    # (the group's committed offset); the journal never commits.
+    noticed_to: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class HeldWebhook:
+    """A verified webhook, handed to the reconciler once the journal was read past its stamp."""
+
+    hook: WebhookReceived
+    partition: int  # where it is on the webhooks topic
+    offset: int
+    # Not weighed by any instance before (at or past the group's committed offset): notices
+    # about it (a quarantine letter) are written now, not again at every replay.
+    fresh: bool
+    unordered: bool = False  # held too long: its journal offset was never reached
+    received_s: float = 0.0  # monotonic, when this process read it
 
 
 class _Listener(ConsumerRebalanceListener):
@@ -75,7 +118,9 @@ class JournalFollower:
                  on_revoke: OnRevoke | None = None) -> None:
         assert side in (None, TASKS, WEBHOOKS), "side topics must be keyed by task id"
         topics: tuple[TopicSpec, ...] = (JOURNAL,) if side is None else (JOURNAL, side)
+        self.group = group
         self._journal = JOURNAL.name(settings.topic_prefix)
+        self._webhooks = WEBHOOKS.name(settings.topic_prefix) if side is WEBHOOKS else None
         self._consumer = EventConsumer(settings, topics=topics, group=group, writer=writer,
                                        listener=_Listener(self))
         self._on_change = on_change
@@ -85,12 +130,20 @@ class JournalFollower:
         self._log = log.get("halfway.follower", group=group)
         self.states: dict[str, TaskState] = {}
         self.requests: dict[str, TaskRequested] = {}  # first request per task, tasks topic
-        # Verified webhooks by our key (step or undo key), in log order; kept until the
-        # partition is revoked, so one that arrives before its step is matched when it appears.
-        self.webhooks: dict[str, list[WebhookReceived]] = {}
+        # The journal offset of each effect's first attempt record, by its key (step or undo
+        # key): what a webhook's stamp is compared with.
+        self.first_attempt: dict[str, int] = {}
+        self._held: dict[int, list[HeldWebhook]] = {}  # partition number -> waiting webhooks
+        self._weighable: dict[str, list[HeldWebhook]] = {}  # task id -> webhooks to weigh now
+        self._paused: set[TopicPartition] = set()
         self._partitions: dict[TopicPartition, _Partition] = {}
         self._awaiting: dict[str, tuple[TopicPartition, int]] = {}
         self._dirty: set[str] = set()
+        self._failures: dict[str, int] = {}
+        self._retries: dict[str, asyncio.TimerHandle] = {}
+        self._progress = asyncio.Condition()
+        self._committed_at_s = 0.0
+        self.on_give_up: Callable[[str, BaseException], Awaitable[None]] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -102,15 +155,32 @@ class JournalFollower:
 
     async def run(self) -> None:
         """Fold and report changes until cancelled."""
-        while True:
-            deliveries = await self._consumer.batch(IDLE_FETCH_MS)
-            for d in deliveries:
-                self._apply(d.event, TopicPartition(d.topic, d.partition), d.offset)
-            await self._refresh_positions()
-            ready = {t for t in self._dirty if self._ready(t)}
-            if ready:
-                self._dirty -= ready
-                await self._on_change(ready)
+        try:
+            while True:
+                deliveries = await self._consumer.batch(IDLE_FETCH_MS)
+                for d in deliveries:
+                    self._apply(d.event, TopicPartition(d.topic, d.partition), d.offset)
+                await self._refresh_positions()
+                self._release_webhooks()
+                await self._commit_webhooks()
+                async with self._progress:
+                    self._progress.notify_all()
+                ready = {t for t in self._dirty if self._ready(t)}
+                if ready:
+                    self._dirty -= ready
+                    try:
+                        await self._on_change(ready)
+                    except Exception:
+                        # A service's own isolation (`for_each`) should have caught it; if not,
+                        # the loop still goes on and the tasks are looked at again later.
+                        self._log.exception("acting on changed tasks failed",
+                                            tasks=len(ready))
+                        for task_id in ready:
+                            self._retry_later(task_id)
+        finally:
+            for handle in self._retries.values():
+                handle.cancel()
+            self._retries.clear()
 
     # -- what services call ----------------------------------------------------------------
 
@@ -128,7 +198,72 @@ class JournalFollower:
         """Report the task again at the next batch (a timer fired)."""
         self._dirty.add(task_id)
 
+    async def for_each(self, task_ids: Iterable[str],
+                       act: Callable[[str], Awaitable[None]]) -> None:
+        """`act` on each task, one after another; a task whose act raises is logged and tried
+        again later (bounded backoff), and never stops the others."""
+        for task_id in task_ids:
+            try:
+                await act(task_id)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                await self._failed(task_id, exc)
+            else:
+                self._failures.pop(task_id, None)
+
+    async def applied(self, partition: int, offset: int, timeout_s: float) -> bool:
+        """Wait until the journal partition's record at `offset` is folded. False if the
+        partition was revoked meanwhile, or `timeout_s` passed."""
+        tp = TopicPartition(self._journal, partition)
+
+        def reached() -> bool:
+            part = self._partitions.get(tp)
+            return part is None or part.applied_to >= offset
+
+        try:
+            async with asyncio.timeout(timeout_s), self._progress:
+                await self._progress.wait_for(reached)
+        except TimeoutError:
+            return False
+        return tp in self._partitions
+
+    def take_webhooks(self, task_id: str) -> list[HeldWebhook]:
+        """The task's webhooks whose order against the journal is now known, once."""
+        return self._weighable.pop(task_id, [])
+
+    def put_back_webhooks(self, task_id: str, items: list[HeldWebhook]) -> None:
+        """Webhooks taken but not weighed yet: handed over again with the task's next change."""
+        if items:
+            self._weighable[task_id] = [*items, *self._weighable.get(task_id, [])]
+            self._dirty.add(task_id)
+
     # -- internals -------------------------------------------------------------------------
+
+    async def _failed(self, task_id: str, exc: BaseException) -> None:
+        failures = self._failures.get(task_id, 0) + 1
+        self._failures[task_id] = failures
+        self._log.error("acting on a task failed; it is tried again later", task_id=task_id,
+                        failures=failures, error=f"{type(exc).__name__}: {exc}"[:500],
+                        exc_info=exc)
+        self._retry_later(task_id)
+        if failures == FAILURES_MAX and self.on_give_up is not None:
+            try:
+                await self.on_give_up(task_id, exc)
+            except Exception:
+                self._log.exception("giving up on a task failed too", task_id=task_id)
+
+    def _retry_later(self, task_id: str) -> None:
+        failures = max(1, self._failures.get(task_id, 1))
+        delay_s = min(RETRY_S_MAX, RETRY_S_MIN * 2 ** (failures - 1))
+        if (old := self._retries.pop(task_id, None)) is not None:
+            old.cancel()
+
+        def again() -> None:
+            self._retries.pop(task_id, None)
+            self.touch(task_id)
+
+        self._retries[task_id] = asyncio.get_running_loop().call_later(delay_s, again)
 
     def _apply(self, event: Event | WebhookReceived, tp: TopicPartition, offset: int) -> None:
         part = self._partitions.get(tp)
@@ -138,10 +273,19 @@ class JournalFollower:
             if event.key is None or event.task_id is None:
                 return  # not about any effect of ours: nothing to match it with
             part.tasks.add(event.task_id)
-            self.webhooks.setdefault(event.key, []).append(event)
-            self._dirty.add(event.task_id)
+            held = self._held.setdefault(tp.partition, [])
+            held.append(HeldWebhook(event, tp.partition, offset,
+                                    fresh=offset >= part.noticed_to,
+                                    received_s=time.monotonic()))
+            if len(held) >= HELD_WEBHOOKS_MAX and tp not in self._paused:
+                self._consumer.kafka.pause(tp)  # the journal catches up first
+                self._paused.add(tp)
+                self._log.warning("webhooks paused until the journal catches up",
+                                  partition=tp.partition, held=len(held))
             return
         part.tasks.add(event.task_id)
+        if isinstance(event, StepAttempted | CompensationAttempted):
+            self.first_attempt.setdefault(event.key, offset)
         if isinstance(event, TaskRequested) and tp.topic != self._journal:
             self.requests.setdefault(event.task_id, event)
         else:
@@ -165,6 +309,62 @@ class JournalFollower:
                 self._dirty |= part.tasks
                 self._log.info("caught up", topic=tp.topic, partition=tp.partition,
                                offset=position, tasks=len(part.tasks))
+
+    def _release_webhooks(self) -> None:
+        """Hand over every held webhook whose journal offset the journal has been read past."""
+        now_s = time.monotonic()
+        for number, held in list(self._held.items()):
+            journal = self._partitions.get(TopicPartition(self._journal, number))
+            if journal is None:
+                continue
+            waiting = []
+            for item in held:
+                stamp = item.hook.journal_offset
+                ordered = (stamp is None or item.hook.journal_partition != number
+                           or journal.applied_to >= stamp - 1)
+                overdue = now_s - item.received_s > HELD_WEBHOOK_S_MAX
+                if ordered or overdue:
+                    ready = item if ordered else HeldWebhook(
+                        item.hook, item.partition, item.offset, item.fresh, unordered=True)
+                    task_id = item.hook.task_id
+                    assert task_id is not None
+                    self._weighable.setdefault(task_id, []).append(ready)
+                    self._dirty.add(task_id)
+                else:
+                    waiting.append(item)
+            self._held[number] = waiting
+            tp = next((t for t in self._paused if t.partition == number), None)
+            if tp is not None and len(waiting) < HELD_WEBHOOKS_MAX // 2:
+                self._consumer.kafka.resume(tp)
+                self._paused.discard(tp)
+
+    async def _commit_webhooks(self) -> None:
+        """Commit, per webhooks partition, the offset below which every webhook was weighed
+        (its notices written), so a restart writes no notice twice. At most once a second."""
+        now_s = time.monotonic()
+        if now_s - self._committed_at_s < WEBHOOK_COMMIT_INTERVAL_S:
+            return
+        self._committed_at_s = now_s
+        offsets = {}
+        for tp, part in self._partitions.items():
+            if tp.topic != self._webhooks or not part.caught_up:
+                continue
+            pending = [h.offset for h in self._held.get(tp.partition, ())]
+            pending += [h.offset for items in self._weighable.values() for h in items
+                        if h.partition == tp.partition]
+            upto = min(pending) if pending else part.applied_to + 1
+            if upto > part.noticed_to:
+                offsets[tp] = upto
+        if not offsets:
+            return
+        try:
+            await self._consumer.kafka.commit(offsets)
+        except Exception as exc:  # a rebalance under way: the next owner weighs them again
+            self._log.warning("could not commit webhook offsets", error=repr(exc))
+            return
+        for tp, upto in offsets.items():
+            if tp in self._partitions:
+                self._partitions[tp].noticed_to = upto
 
     def _ready(self, task_id: str) -> bool:
         journal_parts = [p for tp, p in self._partitions.items()
@@ -194,14 +394,23 @@ class JournalFollower:
             part = self._partitions.pop(tp, None)
             if part is None:
                 continue
+            self._paused.discard(tp)
+            if tp.topic != self._journal:
+                self._held.pop(tp.partition, None)
             for task_id in part.tasks:
                 if not any(task_id in p.tasks for p in self._partitions.values()):
-                    self.states.pop(task_id, None)
+                    state = self.states.pop(task_id, None)
                     self.requests.pop(task_id, None)
-                    for key in [k for k in self.webhooks if k.startswith(f"{task_id}:")]:
-                        del self.webhooks[key]
+                    self._weighable.pop(task_id, None)
+                    for step in (state.steps.values() if state is not None else ()):
+                        self.first_attempt.pop(step.intent.key, None)
+                        if step.compensation is not None:
+                            self.first_attempt.pop(step.compensation.key, None)
                     self._awaiting.pop(task_id, None)
                     self._dirty.discard(task_id)
+                    self._failures.pop(task_id, None)
+                    if (handle := self._retries.pop(task_id, None)) is not None:
+                        handle.cancel()
         if revoked:
             self._log.info("partitions revoked", partitions=sorted(tp.partition for tp in revoked))
             if self._on_revoke is not None:
@@ -217,6 +426,8 @@ class JournalFollower:
         ends = await kafka.end_offsets(new)
         for tp in new:
             self._partitions[tp] = _Partition(end_at_assign=ends[tp])
+            if tp.topic == self._webhooks:
+                self._partitions[tp].noticed_to = await kafka.committed(tp) or 0
         await kafka.seek_to_beginning(*new)  # replay: the journal is the only state
         self._log.info("partitions assigned", partitions=sorted(tp.partition for tp in new))
 

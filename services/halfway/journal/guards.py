@@ -22,11 +22,13 @@ from aiokafka.structs import ConsumerRecord
 
 from halfway import log
 from halfway.contract.events import new_event_id
-from halfway.contract.guards import Release, SubjectClaimed, SubjectReleased
-from halfway.contract.topics import DEAD_LETTERS, GUARDS
+from halfway.contract.guards import GuardRecord, Release, SubjectClaimed, SubjectReleased
+from halfway.contract.topics import GUARDS
 from halfway.core.guard import GuardBook, Verdict
 from halfway.journal.admin import topic_partitions
-from halfway.journal.records import InvalidRecord, dead_letter, decode_guard
+from halfway.journal.deadletters import send_dead_letter
+from halfway.journal.limits import fetch_limits
+from halfway.journal.records import InvalidRecord, decode_guard
 from halfway.journal.writer import JournalWriter
 from halfway.settings import KafkaSettings
 
@@ -38,14 +40,17 @@ WAIT_S_MAX = 60.0
 
 
 class GuardView:
-    def __init__(self, settings: KafkaSettings, writer: JournalWriter) -> None:
+    def __init__(self, settings: KafkaSettings, writer: JournalWriter, *,
+                 on_record: Callable[[GuardRecord], None] | None = None) -> None:
         self.settings = settings
         self.writer = writer
         self.book = GuardBook()
+        self._on_record = on_record  # told of every record folded (after the book has it)
         self._topic = GUARDS.name(settings.topic_prefix)
         self._consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap,
                                           enable_auto_commit=False,
-                                          isolation_level="read_committed")
+                                          isolation_level="read_committed",
+                                          **fetch_limits())
         self._next: dict[int, int] = {}  # partition -> next offset to apply
         self._ends_at_start: dict[int, int] = {}
         self._wanted: dict[str, Verdict | None] = {}  # claim event id -> its verdict, once read
@@ -101,7 +106,8 @@ class GuardView:
     async def release(self, claim: SubjectClaimed, release: Release) -> None:
         record = SubjectReleased(event_id=new_event_id(), at=datetime.now(UTC),
                                  subject=claim.subject, tool=claim.tool, step_id=claim.step_id,
-                                 task_id=claim.task_id, release=release)
+                                 task_id=claim.task_id, release=release,
+                                 claim_id=claim.event_id)
         await self.writer.append_raw(GUARDS, record.model_dump_json().encode(),
                                      key=record.record_key())
         self._log.info("released", subject=claim.subject, step_id=claim.step_id,
@@ -115,12 +121,13 @@ class GuardView:
         try:
             guard = decode_guard(record)
         except InvalidRecord as exc:
-            letter = dead_letter(record, exc.reason, group=None, at=datetime.now(UTC))
-            key = f"{record.topic}/{record.partition}/{record.offset}".encode()
-            await self.writer.append_raw(DEAD_LETTERS, letter.model_dump_json().encode(),
-                                         key=key)
-            self._log.warning("dead-lettered an invalid guard record", reason=exc.reason)
+            # Retried, then skipped with an error logged if it cannot be written: the fold
+            # (and every claim's verdict behind this record) must go on.
+            await send_dead_letter(self.writer, record, exc.reason, group=None,
+                                   logger=self._log)
             return
         verdict = self.book.apply(guard)
         if isinstance(guard, SubjectClaimed) and guard.event_id in self._wanted:
             self._wanted[guard.event_id] = verdict
+        if self._on_record is not None:
+            self._on_record(guard)

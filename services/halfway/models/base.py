@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from halfway.contract import StepRefused
 from halfway.core.fold import TaskState
 from halfway.render import step_line
 
@@ -71,5 +72,13 @@ def history_of(state: TaskState, n: int, tools: list[ToolInfo]) -> History:
         tools=[t for t in tools if t.name in state.started.allowed_tools],
         steps=[StepView(s.n, s.intent.tool, dict(s.intent.args), s.status, step_line(s))
                for s in state.steps.values()],
-        refusals=[r.reason for r in state.refused(n)],
+        refusals=[_refusal_words(r) for r in state.refused(n)],
     )
+
+
+def _refusal_words(refusal: StepRefused) -> str:
+    if refusal.blocked is None:
+        return refusal.reason
+    # The model is asked again only once the holder released the subject (or the wait ended).
+    return (f"{refusal.reason} (the harness waited until {refusal.blocked.holder} released "
+            f"{refusal.blocked.subject}; it is free now, so you may propose it again)")

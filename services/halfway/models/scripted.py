@@ -7,12 +7,17 @@ way that matters here: asked twice for the same step it answers differently (a s
 "49.00"}`), so tests can prove a resumed task re-reads its decision instead of asking again.
 Told that a proposal was refused, it corrects itself and proposes the script's own args.
 
+A step may also carry `"second_ask_delay_s"`: asked for that step a second time (by another
+decider that took the task over, say), the model thinks that long before it answers, as a slow
+model would; tests use it to order a race.
+
 Every question is counted. With `HALFWAY_MODEL_CALL_LOG` set, each one is appended as a JSON
 line to that file, so the count survives a kill -9 and is shared by every process.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from collections import Counter
@@ -21,6 +26,8 @@ from typing import Any
 
 from halfway import settings
 from halfway.models.base import History, Proposal, ProposeCall, ProposeFinish
+
+DELAY_S_MAX = 600.0  # of a scripted model's thinking
 
 
 class ScriptedModel:
@@ -57,6 +64,8 @@ class ScriptedModel:
             self._record(history.task_id, history.n, {"finish": summary})
             return ProposeFinish(summary)
         entry = script[history.n - 1]
+        if asked_before == 1 and entry.get("second_ask_delay_s"):
+            await asyncio.sleep(min(float(entry["second_ask_delay_s"]), DELAY_S_MAX))
         args = dict(entry.get("args", {}))
         if asked_before and not history.refusals:
             args |= entry.get("reask_args", {})

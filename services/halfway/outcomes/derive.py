@@ -23,7 +23,7 @@ from halfway.contract import Event, FinalState
 from halfway.contract.ids import UNDO_SUFFIX
 from halfway.contract.outcomes import OutcomeChanged, about_key, message_id_for
 from halfway.core.fold import EffectState, StepState, StepStatus, TaskState, TaskStatus, apply
-from halfway.render import step_line, undo_line
+from halfway.render import attention_words, step_line, undo_line
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,19 +192,25 @@ def _task(state: TaskState) -> Change | None:
         case TaskStatus.FINISHED:
             assert state.finished is not None
             final = state.finished
+            attention = attention_words(state)
+            if attention is not None and final.state is not FinalState.NEEDS_ATTENTION:
+                # News after the end (a second charge reported under the step's key): the
+                # task's end no longer tells the whole truth, and a person must look.
+                return Change(**base, state="needs_attention",
+                              words=(f"needs attention: it finished {_FINAL_WORDS[final.state]} "
+                                     f"({final.summary}), but {attention}; an operator must "
+                                     f"resolve it"),
+                              reason=attention, finished=True, at=_newest_at(state))
             return Change(**base, state=str(final.state),
                           words=f"{_FINAL_WORDS[final.state]}: {final.summary}",
                           reason=None if final.state is FinalState.SUCCEEDED else final.summary,
                           finished=True, at=final.at)
         case TaskStatus.RUNNING:
-            stuck = [s for s in state.steps.values()
-                     if s.effect.needs_attention or s.undo.needs_attention]
-            if stuck:
-                refs = ", ".join(s.intent.key for s in stuck)
+            attention = attention_words(state)
+            if attention is not None:
                 return Change(**base, state="needs_attention",
-                              words=(f"needs attention: unknown and no further check is planned "
-                                     f"(reference {refs}); an operator must resolve it"),
-                              at=_newest_at(state))
+                              words=f"needs attention: {attention}; an operator must resolve it",
+                              reason=attention, at=_newest_at(state))
             if state.aborted is not None:
                 called_off = state.aborted
                 return Change(**base, state="running",
@@ -217,8 +223,8 @@ def _task(state: TaskState) -> Change | None:
 
 def _newest_at(state: TaskState) -> datetime:
     """The newest fact of a running task: what moved it in or out of needing attention."""
-    facts: list[datetime] = [e.at for e in (state.started, state.request, state.aborted)
-                             if e is not None]
+    facts: list[datetime] = [e.at for e in (state.started, state.request, state.aborted,
+                                            state.finished) if e is not None]
     for step in state.steps.values():
         facts.append(step.intent.at)
         for effect in (step.effect, step.undo):

@@ -18,6 +18,7 @@ from typing import Any
 
 from halfway.contract.events import DecidedBy
 from halfway.core.fold import EffectState, StepState, StepStatus, TaskState
+from halfway.render import attention_words
 
 Row = dict[str, Any]
 
@@ -33,11 +34,11 @@ PRIMARY_KEYS: dict[str, tuple[str, ...]] = {
 COLUMNS: dict[str, tuple[str, ...]] = {
     "tasks": ("task_id", "status", "final_state", "needs_attention", "input", "allowed_tools",
               "summary", "steps", "started_at", "finished_at", "updated_at", "aborted_by",
-              "aborted_reason"),
+              "aborted_reason", "attention", "not_accepted"),
     "steps": ("step_id", "task_id", "n", "tool", "args", "key", "subject", "effect_class",
               "decided_by", "status", "outcome", "evidence", "reason", "source", "attempts",
               "unknowns", "checks", "last_check", "next_check_at", "needs_attention",
-              "contradictions", "intended_at", "settled_at", "updated_at"),
+              "contradictions", "intended_at", "settled_at", "updated_at", "attention"),
     "attempts": ("step_id", "attempt", "key", "started_at"),
     "checks": ("event_id", "step_id", "at", "found", "next_check_at"),
     "compensations": ("step_id", "task_id", "tool", "args", "key", "status", "outcome",
@@ -45,7 +46,7 @@ COLUMNS: dict[str, tuple[str, ...]] = {
                       "next_check_at", "needs_attention"),
 }
 JSON_COLUMNS: dict[str, frozenset[str]] = {
-    "tasks": frozenset({"input", "allowed_tools"}),
+    "tasks": frozenset({"input", "allowed_tools", "not_accepted"}),
     "steps": frozenset({"args", "evidence"}),
     "attempts": frozenset(),
     "checks": frozenset(),
@@ -78,6 +79,11 @@ def task_row(state: TaskState) -> Row:
         "updated_at": updated_at,
         "aborted_by": None if state.aborted is None else state.aborted.by,
         "aborted_reason": None if state.aborted is None else state.aborted.reason,
+        "attention": attention_words(state),
+        # Decisions the log refused (a paused decider's late writes): shown, never executed.
+        "not_accepted": [{"type": n.event.type, "step_id": n.event.step_id,
+                          "tool": n.event.tool, "reason": n.reason}
+                         for n in state.not_accepted],
     }
 
 
@@ -116,6 +122,7 @@ def _step_row(task_id: str, step: StepState) -> Row:
         "intended_at": intent.at,
         "settled_at": None if settlement is None else settlement.at,
         "updated_at": _latest(_effect_times(effect, intent.at)),
+        "attention": effect.attention_why or None,
     }
 
 
@@ -219,6 +226,8 @@ def _task_times(state: TaskState) -> Iterator[datetime]:
     for event in (state.request, state.started, state.rejected, state.finished):
         if event is not None:
             yield event.at
+    for refused in state.not_accepted:
+        yield refused.event.at
     for step in state.steps.values():
         yield from _effect_times(step.effect, step.intent.at)
         if step.compensation is not None:

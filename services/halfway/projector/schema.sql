@@ -13,7 +13,7 @@ CREATE TABLE IF NOT EXISTS {schema}.tasks (
     task_id          text PRIMARY KEY,
     status           text NOT NULL,          -- requested | running | rejected | finished
     final_state      text,                   -- succeeded | failed | compensated | needs_attention
-    needs_attention  boolean NOT NULL,       -- a step is unknown and nobody will check it again
+    needs_attention  boolean NOT NULL,       -- unknown and unchecked, or contradicted
     input            jsonb,
     allowed_tools    jsonb,
     summary          text,                   -- task.finished summary, or task.rejected reason
@@ -90,6 +90,11 @@ ALTER TABLE {schema}.compensations ADD COLUMN IF NOT EXISTS last_check text;
 ALTER TABLE {schema}.compensations ADD COLUMN IF NOT EXISTS next_check_at timestamptz;
 ALTER TABLE {schema}.compensations
     ADD COLUMN IF NOT EXISTS needs_attention boolean NOT NULL DEFAULT false;
+
+-- Added with fencing and contradictions (issue 10).
+ALTER TABLE {schema}.tasks ADD COLUMN IF NOT EXISTS attention text;  -- why a person must look
+ALTER TABLE {schema}.tasks ADD COLUMN IF NOT EXISTS not_accepted jsonb;  -- refused decisions
+ALTER TABLE {schema}.steps ADD COLUMN IF NOT EXISTS attention text;  -- why this step needs one
 
 CREATE TABLE IF NOT EXISTS {schema}.applied_offsets (
     topic            text NOT NULL,

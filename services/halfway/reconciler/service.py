@@ -3,10 +3,13 @@
 It follows the journal and the webhooks topic together (both keyed by task id, so one instance
 sees a task's steps and the webhooks about them), and for each changed task:
 
-- matches verified webhooks to steps by our key (`reconcile.webhook_verdict`) and journals the
-  settlement with source `webhook`. A webhook whose step is not in the journal yet stays in the
-  follower's view, and is matched when the step appears; a restart re-reads both topics, so
-  neither an unknown step nor an unmatched webhook is ever lost;
+- weighs verified webhooks (`reconcile.weigh_webhook`) once the journal has been read past the
+  point where each arrived: one about an effect attempted before it arrived, whose object
+  matches the step, settles an unknown effect (`done`; a `failed` is corroborated by a lookup
+  first), or is journaled as a contradiction when it disagrees with what is known; one about a
+  key that was not attempted before it arrived is an orphan, quarantined on the dead-letter
+  topic with the reason and never applied. A restart re-reads both topics and weighs again:
+  what is on record adds nothing, an orphan stays an orphan;
 - performs the lookups `next_action` asks for, on the check schedule: a found effect is
   settled (source `lookup`); nothing found is journaled as `step.checked` with the time of the
   next check (`on_nothing_found`), or as proof of `not_done` when the tool declares that its
@@ -24,10 +27,14 @@ from __future__ import annotations
 import asyncio
 from datetime import UTC, datetime
 
+from aiokafka.structs import ConsumerRecord
+
 from halfway import log
-from halfway.contract import Event, Outcome, SettlementSource
+from halfway.contract import Event, Outcome, SettlementSource, parse_step_id
+from halfway.contract.ids import UNDO_SUFFIX
 from halfway.contract.topics import WEBHOOKS
 from halfway.core.effects import Effect, effects_to_work
+from halfway.core.fold import TaskState
 from halfway.core.next_action import (
     Escalate,
     Lookup,
@@ -36,9 +43,17 @@ from halfway.core.next_action import (
     next_action,
     on_nothing_found,
 )
-from halfway.core.reconcile import webhook_verdict
+from halfway.core.reconcile import (
+    Corroborate,
+    Ignore,
+    Quarantine,
+    Settle,
+    WebhookMove,
+    weigh_webhook,
+)
 from halfway.journal import JournalWriter
-from halfway.journal.follower import JournalFollower
+from halfway.journal.deadletters import send_dead_letter
+from halfway.journal.follower import HeldWebhook, JournalFollower
 from halfway.journal.records import stamp
 from halfway.journal.steps import StepWorker
 from halfway.settings import KafkaSettings
@@ -63,30 +78,93 @@ class Reconciler(StepWorker):
 
     async def _on_change(self, task_ids: set[str]) -> None:
         now = datetime.now(UTC)
-        for task_id in task_ids:
-            state = self.follower.states.get(task_id)
-            if state is None:
-                continue  # webhooks for a task not in the journal yet: kept, matched later
-            for effect in effects_to_work(state, now):
-                if self.busy(effect):
-                    continue
-                with log.bound(task_id=task_id, step_id=effect.step_id, undo=effect.undo):
-                    if not await self._match_webhooks(effect):
-                        self._consider(effect, now)
+        await self.follower.for_each(task_ids, lambda task_id: self._advance(task_id, now))
 
-    async def _match_webhooks(self, effect: Effect) -> bool:
-        """Journal what the first webhook with news says; True if one was written."""
-        for hook in self.follower.webhooks.get(effect.key, ()):
-            verdict = webhook_verdict(effect.state, hook)
-            if verdict is None:
-                continue
-            await self._write(effect.settled(
-                stamp(effect.task_id), outcome=verdict.outcome, evidence=verdict.evidence,
-                reason=verdict.reason, source=SettlementSource.WEBHOOK))
-            self._log.info("settled by webhook", outcome=verdict.outcome,
-                           provider_event_id=hook.provider_event_id)
-            return True  # the fold must see it before the next webhook is weighed
+    async def _advance(self, task_id: str, now: datetime) -> None:
+        state = self.follower.states.get(task_id)
+        with log.bound(task_id=task_id):
+            if await self._weigh_webhooks(task_id, state):
+                return  # a write: the fold must see it before anything else is weighed
+        if state is None:
+            return
+        for effect in effects_to_work(state, now):
+            if not self.busy(effect):
+                with log.bound(task_id=task_id, step_id=effect.step_id, undo=effect.undo):
+                    self._consider(effect, now)
+
+    async def _weigh_webhooks(self, task_id: str, state: TaskState | None) -> bool:
+        """Weigh the task's webhooks whose order against the journal is known, one at a time;
+        True once one was journaled (the rest wait for the fold to see it)."""
+        held = self.follower.take_webhooks(task_id)
+        for i, item in enumerate(held):
+            effect = _effect_named(state, item.hook.key)
+            if await self._act_on_webhook(item, effect, self._weigh(item, effect)):
+                self.follower.put_back_webhooks(task_id, held[i + 1:])
+                return True
         return False
+
+    def _weigh(self, item: HeldWebhook, effect: Effect | None) -> WebhookMove:
+        hook = item.hook
+        if item.unordered:
+            return Quarantine(f"held the webhook for {hook.key} too long: its journal offset "
+                              f"{hook.journal_offset} was never reached")
+        tool = self.registry.get(effect.tool) if effect is not None else None
+        report = None
+        if effect is not None and tool is not None:
+            read = getattr(tool.adapter, "read_webhook", None)
+            if read is not None:
+                report = read(tool.spec.args_model.model_validate(dict(effect.args)), hook)
+        elif effect is not None:
+            return Ignore(f"no tool {effect.tool} here to read it")
+        # With lookups off, nothing can corroborate a negative report: its word is all there is.
+        can_look_up = tool is not None and tool.spec.has_lookup and self.lookups
+        return weigh_webhook(effect.state if effect is not None else None, report, hook,
+                             first_attempt_offset=self.follower.first_attempt.get(hook.key or ""),
+                             has_lookup=can_look_up)
+
+    async def _act_on_webhook(self, item: HeldWebhook, effect: Effect | None,
+                              move: WebhookMove) -> bool:
+        hook = item.hook
+        fields = {"provider_event_id": hook.provider_event_id, "key": hook.key}
+        match move:
+            case Quarantine(reason=reason):
+                self._log.warning("webhook quarantined", reason=reason, **fields)
+                if item.fresh:  # a replay finds what an earlier instance already recorded
+                    await self._quarantine(item, reason)
+                return False
+            case Ignore(why=why):
+                self._log.debug("webhook adds nothing", why=why, **fields)
+                return False
+            case Corroborate():
+                assert effect is not None
+                tool = self.registry.get(effect.tool)
+                if tool is not None and self.lookups and not self.busy(effect):
+                    self._log.info("a negative webhook; looking it up before believing it",
+                                   **fields)
+                    self.start_move(effect, self._lookup(effect, tool))
+                return False
+            case Settle():
+                assert effect is not None
+                await self._write(effect.settled(
+                    stamp(effect.task_id), outcome=move.outcome, evidence=move.evidence,
+                    reason=move.reason, effect_id=move.effect_id,
+                    contradiction=move.contradiction, source=SettlementSource.WEBHOOK))
+                self._log.info("webhook journaled", outcome=move.outcome,
+                               contradiction=move.contradiction, **fields)
+                return True
+        return False
+
+    async def _quarantine(self, item: HeldWebhook, reason: str) -> None:
+        """The webhook's dead letter: where it is, and why it is never applied (whether or
+        not the letter can be written, it is never applied)."""
+        value = item.hook.model_dump_json().encode()
+        record = ConsumerRecord(
+            topic=self.writer.topic(WEBHOOKS), partition=item.partition, offset=item.offset,
+            timestamp=0, timestamp_type=0, key=item.hook.record_key(), value=value,
+            checksum=None, serialized_key_size=-1, serialized_value_size=len(value),
+            headers=())
+        await send_dead_letter(self.writer, record, reason, group=self.follower.group,
+                               logger=self._log)
 
     def _consider(self, effect: Effect, now: datetime) -> None:
         tool = self.registry.get(effect.tool)
@@ -121,11 +199,21 @@ class Reconciler(StepWorker):
         if isinstance(found, Found) and found.succeeded:
             await self._write(effect.settled(stamp(task_id), outcome=Outcome.DONE,
                                              evidence=found.evidence,
+                                             effect_id=tool.spec.effect_id(found.evidence),
                                              source=SettlementSource.LOOKUP))
+            for other in found.others:
+                # More than one effect under our key: the provider did it again (a key reused
+                # after it forgot it). Kept as a contradiction: an operator must look.
+                await self._write(effect.settled(
+                    stamp(task_id), outcome=Outcome.DONE, evidence=found.evidence,
+                    effect_id=other, source=SettlementSource.LOOKUP,
+                    contradiction=f"the lookup found another effect, {other}, under the same "
+                                  f"key: it may have happened twice"))
             return
         if isinstance(found, Found):
             await self._write(effect.settled(
                 stamp(task_id), outcome=Outcome.NOT_DONE, source=SettlementSource.LOOKUP,
+                effect_id=tool.spec.effect_id(found.evidence),
                 reason=f"the provider's record shows it failed: {found.reason}"))
             return
         now = datetime.now(UTC)
@@ -148,3 +236,25 @@ class Reconciler(StepWorker):
     async def _write(self, event: Event) -> None:
         meta = await self.writer.append(event)
         self.follower.note_write(event.task_id, meta.partition, meta.offset)
+
+
+def _effect_named(state: TaskState | None, key: str | None) -> Effect | None:
+    """The effect (a step, or a step's undo) our key names in the task, if it is in the log."""
+    if state is None or key is None:
+        return None
+    undo = key.endswith(UNDO_SUFFIX)
+    try:
+        _, n = parse_step_id(key.removesuffix(UNDO_SUFFIX))
+    except ValueError:
+        return None
+    step = state.steps.get(n)
+    if step is None:
+        return None
+    intent = step.intent
+    if not undo:
+        return Effect(False, intent.task_id, step.step_id, intent.tool, intent.args,
+                      intent.key, step.effect)
+    plan = step.compensation
+    if plan is None:
+        return None
+    return Effect(True, intent.task_id, step.step_id, plan.tool, plan.args, plan.key, step.undo)

@@ -109,12 +109,14 @@ def replayed(response: httpx.Response) -> bool:
 
 def replied(response: httpx.Response) -> Replied:
     """A non-2xx answer, with the error body's code (or type) and message when it has them."""
+    again = replayed(response)
     try:
         error = response.json()["error"]
         return Replied(response.status_code, code=error.get("code") or error.get("type"),
-                       message=error.get("message") or "")
+                       message=error.get("message") or "", replayed=again)
     except Exception:
-        return Replied(response.status_code, code=None, message=error_text(response))
+        return Replied(response.status_code, code=None, message=error_text(response),
+                       replayed=again)
 
 
 def call_result(response: httpx.Response, done: str,

@@ -20,7 +20,9 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from halfway.contract import EffectClass, SagaRole
+from halfway.contract import EffectClass, Outcome, SagaRole
+from halfway.contract.webhooks import WebhookReceived
+from halfway.core.reconcile import WebhookReport
 from halfway.tools.http import (
     HttpAdapter,
     attempt_budget_s,
@@ -40,6 +42,8 @@ from halfway.tools.spec import (
 
 TOOL_NAME = "charge_customer"
 PROVIDER = "paysim"
+SUCCEEDED_EVENT = "charge.succeeded"
+FAILED_EVENT = "charge.failed"
 METADATA_KEY = "halfway_key"  # the metadata entry that carries our idempotency key
 SEARCH_LIMIT = 10  # one key names one effect; more than a few charges under it is a finding
 AMOUNT_CENTS_MAX = 99_999_999  # Stripe's largest amount
@@ -68,8 +72,12 @@ def charge_subject(args: BaseModel) -> str:
     return f"invoice:{_charge_args(args).invoice}"
 
 
-def charge_customer_spec(timeout_s: float = 5.0, key_ttl_s: float = 86_400.0) -> ToolSpec:
-    """The spec; `key_ttl_s` must not exceed what the provider keeps (Stripe v1: 24 h)."""
+def charge_customer_spec(timeout_s: float = 5.0, key_ttl_s: float = 86_400.0,
+                         completes_within_s: float | None = None) -> ToolSpec:
+    """The spec; `key_ttl_s` must not exceed what the provider keeps (Stripe v1: 24 h).
+    `completes_within_s`: only for a provider whose search shows every charge at once and
+    that finishes every request within that bound (paysim: its longest fault delay); never
+    for Stripe, whose search lags."""
     return ToolSpec(
         name=TOOL_NAME,
         description=("Charge a customer for an invoice, in cents. amount_cents is an integer "
@@ -84,6 +92,8 @@ def charge_customer_spec(timeout_s: float = 5.0, key_ttl_s: float = 86_400.0) ->
         # undo), and an invoice is paid once: a done charge is never repeated, by any task.
         saga_role=SagaRole.PIVOT,
         once_per_subject=True,
+        evidence_id="charge_id",
+        completes_within_s=completes_within_s,
     )
 
 
@@ -128,6 +138,32 @@ class PaymentsAdapter(HttpAdapter):
         return _settle(charges, charge, ctx.key)
 
 
+    def read_webhook(self, args: BaseModel, hook: WebhookReceived) -> WebhookReport | None:
+        """What a `charge.succeeded` / `charge.failed` event says about this step's charge."""
+        kind = hook.provider_event_type
+        if kind not in (SUCCEEDED_EVENT, FAILED_EVENT):
+            return None
+        charge = _charge_args(args)
+        data = hook.payload.get("data")
+        obj = data.get("object") if isinstance(data, dict) else None
+        if not isinstance(obj, dict):
+            return None
+        seen = (obj.get("amount"), obj.get("currency"), obj.get("customer"))
+        asked = (charge.amount_cents, charge.currency, charge.customer)
+        mismatch = None
+        if seen != asked:
+            mismatch = (f"it charges {seen[0]} {seen[1]} to {seen[2]}, the step asked for "
+                        f"{asked[0]} {asked[1]} to {asked[2]}")
+        if kind == SUCCEEDED_EVENT:
+            evidence = {"charge_id": hook.object_id, "amount_cents": obj.get("amount"),
+                        "currency": obj.get("currency"), "provider": PROVIDER}
+            return WebhookReport(Outcome.DONE, hook.object_id, evidence=evidence,
+                                 mismatch=mismatch)
+        reason = " ".join(str(p) for p in (obj.get("failure_code"), obj.get("failure_message"))
+                          if p) or None
+        return WebhookReport(Outcome.NOT_DONE, hook.object_id, reason=reason, mismatch=mismatch)
+
+
 def _charge_args(args: BaseModel) -> ChargeArgs:
     if not isinstance(args, ChargeArgs):
         raise TypeError(f"{TOOL_NAME} takes ChargeArgs, got {type(args).__name__}")
@@ -160,11 +196,9 @@ def _settle(charges: list[Any], args: ChargeArgs, key: str) -> LookupResult:
                                 f"{charge.get('customer')}, not what this step asked for")
     succeeded = [c for c in mine if c.get("status") == "succeeded"]
     if succeeded:
-        evidence = _evidence(succeeded[0])
-        if len(succeeded) > 1:
-            # A key reused after the provider forgot it: the customer was charged twice.
-            evidence["duplicate_charge_ids"] = [c["id"] for c in succeeded[1:]]
-        return Found(evidence=evidence, succeeded=True)
+        # More than one: a key reused after the provider forgot it, the customer charged twice.
+        return Found(evidence=_evidence(succeeded[0]), succeeded=True,
+                     others=tuple(str(c.get("id")) for c in succeeded[1:]))
     failed = [c for c in mine if c.get("status") == "failed"]
     if failed:
         charge = failed[0]

@@ -26,6 +26,12 @@ The rules a tool author must know, in one place:
 - **completes_within_s**: declare it only if the provider finishes every request within that
   bound; then a lookup that finds nothing after it proves `not_done`. Leave it None when the
   provider's search can lag (Stripe's can, by minutes): nothing found then proves nothing.
+- **evidence_id**: the evidence field that names the effect at the provider (`charge_id`).
+  Two `done` reports naming different effects under one key are a contradiction (the effect
+  may have happened twice), shown to an operator instead of silently agreeing.
+- **read_webhook** (on the adapter, optional): what one of the provider's events says about
+  the effect (`halfway.core.reconcile.WebhookReport`), including whether its object matches
+  the step's arguments. A tool without it is never settled by webhooks.
 
 The adapter never decides outcomes: it reports what it saw (a result with evidence, or a
 `CallFailure`), and the pure core classifies.
@@ -64,6 +70,9 @@ class Found:
     # False: found, and it failed (e.g. a declined charge): proof of not_done.
     succeeded: bool = True
     reason: str = ""
+    # Other effects found under the same key (their provider ids): the provider did it more
+    # than once (a key reused after it forgot it). Each is journaled as a contradiction.
+    others: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +125,15 @@ class ToolSpec:
     saga_role: SagaRole | None = None
     undo: CompensationPlan | None = None
     once_per_subject: bool = False
+    evidence_id: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def effect_id(self, evidence: dict[str, Any] | None) -> str | None:
+        """The provider's name for the effect in `evidence`, if the tool declares where."""
+        if self.evidence_id is None or not evidence:
+            return None
+        value = evidence.get(self.evidence_id)
+        return str(value)[:255] if value not in (None, "") else None
 
     def policy(self) -> StepPolicy:
         return StepPolicy(

@@ -147,27 +147,32 @@ def travel_specs(timeout_s: float = 5.0, key_ttl_s: float = KEY_TTL_S_DEFAULT) -
                              "key_ttl_s": key_ttl_s, "has_lookup": True}
     return [
         ToolSpec(
-            name=HOLD_FLIGHT, args_model=HoldFlightArgs, subject=flight_subject, **keyed,
+            name=HOLD_FLIGHT, evidence_id="hold_id", args_model=HoldFlightArgs,
+            subject=flight_subject, **keyed,
             description=("Hold a seat on a flight for a passenger (not yet paid; released if "
                          "the trip falls through). Returns the hold_id."),
             saga_role=SagaRole.COMPENSABLE,
             undo=CompensationPlan(tool=RELEASE_FLIGHT_HOLD,
                                   args={"hold_id": "$result.hold_id"})),
         ToolSpec(
-            name=RELEASE_FLIGHT_HOLD, args_model=ReleaseFlightHoldArgs, **keyed,
+            name=RELEASE_FLIGHT_HOLD, evidence_id="hold_id", args_model=ReleaseFlightHoldArgs,
+            **keyed,
             description="Release a flight hold made by hold_flight (the undo of hold_flight)."),
         ToolSpec(
-            name=BOOK_HOTEL, args_model=BookHotelArgs, subject=hotel_subject, **keyed,
+            name=BOOK_HOTEL, evidence_id="booking_id", args_model=BookHotelArgs,
+            subject=hotel_subject, **keyed,
             description=("Book a hotel room for a guest for a number of nights (an integer). "
                          "Returns the booking_id; a full hotel refuses."),
             saga_role=SagaRole.COMPENSABLE,
             undo=CompensationPlan(tool=CANCEL_HOTEL_BOOKING,
                                   args={"booking_id": "$result.booking_id"})),
         ToolSpec(
-            name=CANCEL_HOTEL_BOOKING, args_model=CancelHotelBookingArgs, **keyed,
+            name=CANCEL_HOTEL_BOOKING, evidence_id="booking_id", args_model=CancelHotelBookingArgs,
+            **keyed,
             description="Cancel a hotel booking made by book_hotel (the undo of book_hotel)."),
         ToolSpec(
-            name=SEND_EMAIL, args_model=SendEmailArgs, subject=email_subject, **keyed,
+            name=SEND_EMAIL, evidence_id="email_id", args_model=SendEmailArgs,
+            subject=email_subject, **keyed,
             description=("Send a plain-text e-mail to one address. It cannot be taken back: "
                          "in a trip, send it only once everything is booked."),
             saga_role=SagaRole.RETRIABLE),

@@ -1,0 +1,166 @@
+"""The executor's fences, in-process: a paused executor does not send late, and an unkeyed
+attempt goes out only from the executor whose record of it is first in the log.
+
+The journal here is a stand-in (a writer that records, a follower that answers): what is under
+test is the executor's own decision to send or not, which no broker can show deterministically.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, ConfigDict
+
+from halfway.contract import EffectClass, Event, Outcome
+from halfway.core.effects import effects_to_work
+from halfway.core.fold import TaskState, fold
+from halfway.core.next_action import Call, StepPolicy
+from halfway.executor.service import Executor
+from halfway.settings import KafkaSettings
+from halfway.tools.registry import Registry, Tool
+from halfway.tools.spec import CallContext, Succeeded, ToolSpec
+from tests.factories import Stamper
+
+SETTINGS = KafkaSettings(bootstrap="127.0.0.1:1", topic_prefix="unit.", replication_factor=1)
+
+
+class Args(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    to: str
+
+
+@dataclass(frozen=True)
+class Spec(ToolSpec):
+    send_window_s: float = 5.0
+
+    def policy(self) -> StepPolicy:
+        return dataclasses.replace(super().policy(), send_window_s=self.send_window_s)
+
+
+@dataclass
+class Provider:
+    sent: list[str] = field(default_factory=list)
+
+    async def call(self, args: BaseModel, ctx: CallContext) -> Succeeded:
+        self.sent.append(ctx.key)
+        return Succeeded({"message_id": f"m-{ctx.key}"})
+
+    async def lookup(self, args: BaseModel, ctx: CallContext) -> Any:
+        raise AssertionError("not here")
+
+
+@dataclass
+class Meta:
+    partition: int
+    offset: int
+
+
+@dataclass
+class Writer:
+    """Records appends; `pause_s` holds each append that long (a process paused in it)."""
+
+    events: list[Event] = field(default_factory=list)
+    pause_s: float = 0.0
+
+    async def append(self, event: Event) -> Meta:
+        await asyncio.sleep(self.pause_s)
+        self.events.append(event)
+        return Meta(0, len(self.events) - 1)
+
+
+@dataclass
+class Follower:
+    """Answers `applied` as the real one does, from a log the test controls."""
+
+    log: list[Event]
+    first: Callable[[], list[Event]] = lambda: []  # what another executor wrote first
+    applied_ok: bool = True
+    states: dict[str, TaskState] = field(default_factory=dict)
+
+    async def applied(self, partition: int, offset: int, timeout_s: float) -> bool:
+        self.states = {"mail-1": fold([*self.log[:-1], *self.first(), *self.log[-1:]])}
+        return self.applied_ok
+
+    def note_write(self, task_id: str, partition: int, offset: int) -> None:
+        pass
+
+    def touch(self, task_id: str) -> None:
+        pass
+
+
+def executor(effect_class: EffectClass, *, send_window_s: float = 5.0,
+             pause_s: float = 0.0) -> tuple[Executor, Writer, Provider, Stamper]:
+    spec = Spec(name="send_mail", description="Send a mail.", args_model=Args,
+                effect_class=effect_class, timeout_s=2.0, send_window_s=send_window_s,
+                key_ttl_s=3600 if effect_class is EffectClass.KEYED else None)
+    provider = Provider()
+    writer = Writer(pause_s=pause_s)
+    out = Executor(SETTINGS, Registry([Tool(spec, provider)]), writer)  # type: ignore[arg-type]
+    UNUSED.append(out.follower)
+    s = Stamper("mail-1")
+    writer.events += [s.started(), s.intended(1, tool="send_mail", args={"to": "a@b.c"},
+                                               effect_class=effect_class, subject=None)]
+    out.follower = Follower(writer.events)  # type: ignore[assignment]
+    return out, writer, provider, s
+
+
+UNUSED: list[Any] = []  # the real followers the stand-ins replaced: closed after each test
+
+
+@pytest.fixture(autouse=True)
+async def close_unused() -> AsyncIterator[None]:
+    yield
+    while UNUSED:
+        await UNUSED.pop().stop()
+
+
+async def call_once(ex: Executor, writer: Writer) -> None:
+    (effect,) = effects_to_work(fold(writer.events), Stamper("mail-1").now)
+    tool = ex.registry.get("send_mail")
+    await ex._perform(effect, tool, Call(1))
+
+
+async def test_an_unkeyed_attempt_is_sent_only_when_its_record_is_first_in_the_log() -> None:
+    ex, writer, provider, s = executor(EffectClass.UNKEYED)
+    await call_once(ex, writer)
+    assert provider.sent == ["mail-1:1"]
+
+    ex, writer, provider, s = executor(EffectClass.UNKEYED)
+    # Another executor (this one was paused; that one took over) journaled attempt 1 first.
+    other = s.attempted(1, 1)
+    ex.follower.first = lambda: [other]  # type: ignore[attr-defined]
+    await call_once(ex, writer)
+    assert provider.sent == []
+
+    ex, writer, provider, s = executor(EffectClass.UNKEYED)
+    ex.follower.applied_ok = False  # type: ignore[attr-defined]  # the partition moved away
+    await call_once(ex, writer)
+    assert provider.sent == []
+
+
+async def test_a_keyed_attempt_needs_no_confirmation_the_provider_dedupes_it() -> None:
+    ex, writer, provider, _ = executor(EffectClass.KEYED)
+    ex.follower.first = lambda: [Stamper("mail-1").attempted(1, 1)]  # type: ignore[attr-defined]
+    await call_once(ex, writer)
+    assert provider.sent == ["mail-1:1"]
+
+
+async def test_an_attempt_paused_past_the_send_window_is_never_sent() -> None:
+    ex, writer, provider, _ = executor(EffectClass.UNKEYED, send_window_s=0.05, pause_s=0.2)
+    await call_once(ex, writer)
+    assert provider.sent == []
+    settled = fold(writer.events).step(1).effect.settlement
+    assert settled is not None
+    assert settled.outcome is Outcome.NOT_DONE  # attempt 1 of an unkeyed tool: proof
+    assert "paused" in (settled.reason or "")
+
+    ex, writer, provider, _ = executor(EffectClass.KEYED, send_window_s=0.05, pause_s=0.2)
+    await call_once(ex, writer)
+    assert provider.sent == []
+    # Another executor may have sent this attempt with the key: nothing is claimed about it.
+    assert fold(writer.events).step(1).effect.settlement is None
