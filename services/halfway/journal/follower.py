@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -134,6 +135,7 @@ class JournalFollower:
         # key): what a webhook's stamp is compared with.
         self.first_attempt: dict[str, int] = {}
         self._held: dict[int, list[HeldWebhook]] = {}  # partition number -> waiting webhooks
+        self._held_tasks: Counter[str] = Counter()  # task id -> its webhooks in `_held`
         self._weighable: dict[str, list[HeldWebhook]] = {}  # task id -> webhooks to weigh now
         self._paused: set[TopicPartition] = set()
         self._partitions: dict[TopicPartition, _Partition] = {}
@@ -230,7 +232,15 @@ class JournalFollower:
 
     def take_webhooks(self, task_id: str) -> list[HeldWebhook]:
         """The task's webhooks whose order against the journal is now known, once."""
-        return self._weighable.pop(task_id, [])
+        taken = self._weighable.pop(task_id, [])
+        if (taken and task_id not in self.states and task_id not in self.requests
+                and task_id not in self._held_tasks):
+            # Webhooks for a task the journal does not know (orphans, weighed now): nothing of
+            # it stays in memory once they are, or a flood of them would stay for good.
+            for tp, part in self._partitions.items():
+                if tp.topic == self._webhooks:
+                    part.tasks.discard(task_id)
+        return taken
 
     def put_back_webhooks(self, task_id: str, items: list[HeldWebhook]) -> None:
         """Webhooks taken but not weighed yet: handed over again with the task's next change."""
@@ -274,6 +284,7 @@ class JournalFollower:
                 return  # not about any effect of ours: nothing to match it with
             part.tasks.add(event.task_id)
             held = self._held.setdefault(tp.partition, [])
+            self._held_tasks[event.task_id] += 1
             held.append(HeldWebhook(event, tp.partition, offset,
                                     fresh=offset >= part.noticed_to,
                                     received_s=time.monotonic()))
@@ -328,6 +339,9 @@ class JournalFollower:
                         item.hook, item.partition, item.offset, item.fresh, unordered=True)
                     task_id = item.hook.task_id
                     assert task_id is not None
+                    self._held_tasks[task_id] -= 1
+                    if not self._held_tasks[task_id]:
+                        del self._held_tasks[task_id]
                     self._weighable.setdefault(task_id, []).append(ready)
                     self._dirty.add(task_id)
                 else:
@@ -396,7 +410,9 @@ class JournalFollower:
                 continue
             self._paused.discard(tp)
             if tp.topic != self._journal:
-                self._held.pop(tp.partition, None)
+                for item in self._held.pop(tp.partition, ()):
+                    self._held_tasks[item.hook.task_id or ""] -= 1
+                self._held_tasks = +self._held_tasks  # drop the zeros
             for task_id in part.tasks:
                 if not any(task_id in p.tasks for p in self._partitions.values()):
                     state = self.states.pop(task_id, None)
