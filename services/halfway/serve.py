@@ -11,7 +11,8 @@ import signal
 from enum import StrEnum
 
 from halfway import log
-from halfway.journal import JournalWriter, ensure_topics
+from halfway.journal import JournalWriter
+from halfway.journal.admin import ensure_topics_once_up
 from halfway.models import Model, ScriptedModel
 from halfway.settings import KafkaSettings
 from halfway.tools.registry import Registry, default_registry
@@ -50,7 +51,7 @@ async def serve(name: Service) -> None:
     """The process entry point: stop cleanly on SIGTERM or SIGINT."""
     log.configure()
     settings = KafkaSettings.from_env()
-    await ensure_topics(settings)
+    await ensure_topics_once_up(settings)
     registry = default_registry()
     task = asyncio.current_task()
     assert task is not None

@@ -55,8 +55,8 @@ from halfway import log
 from halfway.contract.ids import KEY_PATTERN, UNDO_SUFFIX, parse_step_id
 from halfway.contract.topics import JOURNAL, WEBHOOKS
 from halfway.contract.webhooks import WebhookReceived
-from halfway.journal import JournalWriter, ensure_topics
-from halfway.journal.admin import topic_partitions
+from halfway.journal import JournalWriter
+from halfway.journal.admin import ensure_topics_once_up, topic_partitions
 from halfway.journal.limits import WRITER_RECORD_BYTES_MAX
 from halfway.journal.records import InvalidRecord, decode_webhook, describe
 from halfway.journal.replay import partition_of
@@ -435,7 +435,7 @@ async def serve_gateway(host: str | None = None, port: int | None = None) -> Non
     log.configure()
     logger = log.get("halfway.gateway")
     settings = KafkaSettings.from_env()
-    await ensure_topics(settings, (WEBHOOKS, JOURNAL))
+    await ensure_topics_once_up(settings, (WEBHOOKS, JOURNAL))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import for_code
+from aiokafka.errors import KafkaConnectionError, KafkaTimeoutError, for_code
 
 from halfway import log
 from halfway.contract.topics import ALL_TOPICS, TopicSpec
@@ -11,6 +13,10 @@ from halfway.settings import KafkaSettings
 
 TOPIC_ALREADY_EXISTS = 36
 CREATE_TIMEOUT_MS = 30_000
+# A service that starts while its broker is down waits for it: first retry after this long,
+# doubling up to BROKER_WAIT_S_MAX between tries (forever: waiting is not crashing).
+BROKER_WAIT_S_MIN = 0.5
+BROKER_WAIT_S_MAX = 10.0
 
 
 async def ensure_topics(settings: KafkaSettings,
@@ -43,6 +49,22 @@ async def ensure_topics(settings: KafkaSettings,
         return created
     finally:
         await admin.close()
+
+
+async def ensure_topics_once_up(settings: KafkaSettings,
+                                specs: tuple[TopicSpec, ...] = ALL_TOPICS) -> list[str]:
+    """`ensure_topics`, waiting for the broker if it cannot be reached yet (a service restarted
+    while the broker is down waits for it instead of exiting in a loop)."""
+    logger = log.get("halfway.journal")
+    delay_s = BROKER_WAIT_S_MIN
+    while True:
+        try:
+            return await ensure_topics(settings, specs)
+        except (KafkaConnectionError, KafkaTimeoutError, OSError) as exc:
+            logger.warning("waiting for the broker", bootstrap=settings.bootstrap,
+                           error=str(exc)[:300], retry_in_s=delay_s)
+            await asyncio.sleep(delay_s)
+            delay_s = min(BROKER_WAIT_S_MAX, delay_s * 2)
 
 
 async def delete_topics(settings: KafkaSettings, specs: tuple[TopicSpec, ...] = ALL_TOPICS) -> None:

@@ -205,6 +205,11 @@ class JournalFollower:
         """`act` on each task, one after another; a task whose act raises is logged and tried
         again later (bounded backoff), and never stops the others."""
         for task_id in task_ids:
+            if self._write_pending(task_id):
+                # The service wrote for this task after the batch was read (a move that ran
+                # meanwhile): acting on the older state would undo what it just decided. It is
+                # reported again once its write is folded (note_write marked it).
+                continue
             try:
                 await act(task_id)
             except asyncio.CancelledError:
@@ -379,6 +384,13 @@ class JournalFollower:
         for tp, upto in offsets.items():
             if tp in self._partitions:
                 self._partitions[tp].noticed_to = upto
+
+    def _write_pending(self, task_id: str) -> bool:
+        awaiting = self._awaiting.get(task_id)
+        if awaiting is None:
+            return False
+        part = self._partitions.get(awaiting[0])
+        return part is not None and part.applied_to < awaiting[1]
 
     def _ready(self, task_id: str) -> bool:
         journal_parts = [p for tp, p in self._partitions.items()

@@ -41,8 +41,7 @@ from halfway import log
 from halfway import settings as env
 from halfway.contract.topics import DEAD_LETTERS, JOURNAL
 from halfway.core.fold import TaskState, apply
-from halfway.journal import ensure_topics
-from halfway.journal.admin import cluster_id, topic_partitions
+from halfway.journal.admin import cluster_id, ensure_topics_once_up, topic_partitions
 from halfway.journal.deadletters import DeadLetters
 from halfway.journal.limits import fetch_limits
 from halfway.journal.records import InvalidRecord, decode
@@ -332,7 +331,7 @@ async def serve() -> None:
     HALFWAY_PG_SCHEMA until SIGTERM or SIGINT."""
     log.configure()
     settings = KafkaSettings.from_env()
-    await ensure_topics(settings, (JOURNAL, DEAD_LETTERS))
+    await ensure_topics_once_up(settings, (JOURNAL, DEAD_LETTERS))
     task = asyncio.current_task()
     assert task is not None
     loop = asyncio.get_running_loop()
