@@ -16,6 +16,10 @@ from halfway.journal import JournalWriter, ensure_topics
 from halfway.journal.admin import delete_topics
 from halfway.settings import KafkaSettings
 
+# Before any test module (or the chaos benchmark a test imports) imports it: its asserts are
+# what the broker tests' failure messages are made of.
+pytest.register_assert_rewrite("tests.processes")
+
 
 @pytest.fixture(scope="session")
 def infrastructure() -> None:

@@ -205,6 +205,8 @@ class JournalFollower:
         """`act` on each task, one after another; a task whose act raises is logged and tried
         again later (bounded backoff), and never stops the others."""
         for task_id in task_ids:
+            if not any(task_id in p.tasks for p in self._partitions.values()):
+                continue  # revoked while earlier tasks of the batch were acted on
             if self._write_pending(task_id):
                 # The service wrote for this task after the batch was read (a move that ran
                 # meanwhile): acting on the older state would undo what it just decided. It is
