@@ -14,6 +14,7 @@ moved them. The writer then re-reads them and writes again from there.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Iterable, Mapping
@@ -67,13 +68,27 @@ async def connect(dsn: str) -> asyncpg.Connection:
 
 
 async def migrate(conn: asyncpg.Connection, schema: str) -> None:
-    """Create the schema and its tables if missing (schema.sql is idempotent)."""
+    """Create the schema and its tables if missing (schema.sql is idempotent).
+
+    A schema already at this script's version is left alone: `ALTER TABLE ... IF NOT EXISTS`
+    still takes an exclusive lock, and a second projector starting while the first writes a
+    batch would deadlock against it (the writer holds one table and wants the next).
+    """
     script = SCHEMA_FILE.read_text()
+    version = hashlib.sha256(script.encode()).hexdigest()
+    name = checked(schema)
     async with conn.transaction():
         # Two projectors starting at once would race on CREATE ... IF NOT EXISTS (it is not
         # atomic against a concurrent create); serialise them per schema.
         await conn.execute("select pg_advisory_xact_lock(hashtext($1))", f"migrate {schema}")
-        await conn.execute(script.replace("{schema}", checked(schema)))
+        known = await conn.fetchval("select to_regclass($1)", f"{name}.schema_version")
+        if known is not None and await conn.fetchval(
+                f"select version from {name}.schema_version") == version:
+            return
+        await conn.execute(script.replace("{schema}", name))
+        await conn.execute(f"create table if not exists {name}.schema_version (version text)")
+        await conn.execute(f"delete from {name}.schema_version")
+        await conn.execute(f"insert into {name}.schema_version values ($1)", version)
 
 
 async def claim_source(conn: asyncpg.Connection, schema: str, cluster_id: str,
