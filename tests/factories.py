@@ -19,7 +19,9 @@ from halfway.contract import (
     EffectClass,
     Event,
     FinalState,
+    ModelFailed,
     Outcome,
+    ProposedCall,
     SagaRole,
     SettlementSource,
     StepAttempted,
@@ -27,12 +29,14 @@ from halfway.contract import (
     StepIntended,
     StepRefused,
     StepSettled,
+    StepUnserved,
     TaskAborted,
     TaskFinished,
     TaskPolicy,
     TaskRejected,
     TaskRequested,
     TaskStarted,
+    Usage,
     mint_key,
     mint_undo_key,
     step_id,
@@ -82,6 +86,17 @@ class Stamper:
         return StepRefused(**self.stamp(), n=n, tool="charge_customer",
                            args=args if args is not None else {"amount_cents": "49.00"},
                            reason=reason, decided_by=DecidedBy(model="scripted", version="1"))
+
+    def model_failed(self, n: int, error: str = "HTTP 429 rate_limit_exceeded: slow down",
+                     *, status: int | None = 429, transient: bool = True,
+                     retry_after_s: float | None = None) -> ModelFailed:
+        return ModelFailed(**self.stamp(), n=n, model="gpt-4o-mini", error=error,
+                           status=status, transient=transient, retry_after_s=retry_after_s)
+
+    def unserved(self, n: int, tool: str = "charge_customer",
+                 app: str = "tickets@0123456789ab") -> StepUnserved:
+        return StepUnserved(**self.stamp(), step_id=step_id(self.task_id, n), tool=tool,
+                            app=app)
 
     def withdrawn(self, n: int, *claim_ids: str,
                   subject: str = "invoice:INV-2291") -> ClaimWithdrawn:
@@ -156,9 +171,15 @@ def one_of_each(task_id: str = "renewal-8812") -> list[Event]:
         s.started(),
         s.rejected(),
         s.refused(1),
+        s.model_failed(1, retry_after_s=2.0),
         s.withdrawn(1, "claim-1"),
         s.intended(1, saga_role=SagaRole.COMPENSABLE, compensation=CompensationPlan(
-            tool="refund_charge", args={"charge": "$result.id"}), claim_id="claim-2"),
+            tool="refund_charge", args={"charge": "$result.id"}), claim_id="claim-2",
+            decided_by=DecidedBy(model="gpt-4o-mini", usage=Usage(input_tokens=812,
+                                                                  output_tokens=40),
+                                 app="billing@0123456789ab"),
+            also_proposed=[ProposedCall(tool="send_email", args={"to": "a@example.com"})]),
+        s.unserved(1),
         s.attempted(1, 1),
         s.settled(1, Outcome.UNKNOWN, attempt=1),
         s.checked(1),

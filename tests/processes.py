@@ -344,7 +344,7 @@ class Cluster:
         return out | extra
 
     async def _spawn(self, name: str, args: list[str], environ: dict[str, str],
-                     stdout: int | None = None) -> Proc:
+                     stdout: int | None = None, cwd: Path | None = None) -> Proc:
         count = self._counts.get(name, 0) + 1
         self._counts[name] = count
         label = f"{name}-{count}"
@@ -352,7 +352,7 @@ class Cluster:
         with log_path.open("ab") as log_file:
             process = await asyncio.create_subprocess_exec(
                 sys.executable, *args, env=environ, stdin=asyncio.subprocess.DEVNULL,
-                stdout=stdout if stdout is not None else log_file, stderr=log_file)
+                stdout=stdout if stdout is not None else log_file, stderr=log_file, cwd=cwd)
         proc = Proc(label, process, log_path)
         self.procs.append(proc)
         return proc
@@ -383,8 +383,19 @@ class Cluster:
         return self.tripsim_url
 
     async def _start_listener(self, name: str, module: str, args: tuple[str, ...]) -> str:
-        proc = await self._spawn(name, ["-m", module, "--port", "0", *args], self.env(),
-                                 stdout=asyncio.subprocess.PIPE)
+        return await self.start_listener(name, ["-m", module, "--port", "0", *args])
+
+    async def start(self, service: str, *options: str, cwd: Path | None = None,
+                    **extra_env: str) -> Proc:
+        """`halfway run decider|executor [options]` as its own process, in `cwd`."""
+        assert self.sim_url, "start the simulator first"
+        return await self._spawn(service, ["-m", "halfway.cli", "run", service, *options],
+                                 self.env(**extra_env), cwd=cwd)
+
+    async def start_listener(self, name: str, args: list[str], cwd: Path | None = None) -> str:
+        """Any server that prints `listening on URL` once it accepts connections."""
+        proc = await self._spawn(name, args, self.env(), stdout=asyncio.subprocess.PIPE,
+                                 cwd=cwd)
         assert proc.process.stdout is not None
         try:
             line = await asyncio.wait_for(proc.process.stdout.readline(), START_TIMEOUT_S)
@@ -393,12 +404,6 @@ class Cluster:
         text = line.decode().strip()
         assert text.startswith("listening on http://"), f"{text!r}\n{proc.tail()}"
         return text.removeprefix("listening on ")
-
-    async def start(self, service: str, **extra_env: str) -> Proc:
-        """`halfway run decider|executor` as its own process."""
-        assert self.sim_url, "start the simulator first"
-        return await self._spawn(service, ["-m", "halfway.cli", "run", service],
-                                 self.env(**extra_env))
 
     async def publish(self, *requests: TaskRequested) -> None:
         assert self.writer is not None

@@ -130,7 +130,8 @@ def test_rows_of_a_typical_history() -> None:
         "aborted_by": None, "aborted_reason": None,
         "attention": "step renewal-1:2 (charge_customer, reference renewal-1:2): it is unknown "
                      "and no further check is planned",
-        "not_accepted": []}]
+        "not_accepted": [], "model_questions": 2, "tokens_in": 0, "tokens_out": 0,
+        "model_unavailable": None}]
     first, second = rows["steps"]
     assert first == {
         "step_id": "renewal-1:1", "task_id": "renewal-1", "n": 1, "tool": "charge_customer",
@@ -140,7 +141,7 @@ def test_rows_of_a_typical_history() -> None:
         "source": "lookup", "attempts": 1, "unknowns": 1, "checks": 1, "last_check": "nothing",
         "next_check_at": None,  # settled: nobody checks again
         "needs_attention": False, "contradictions": 0, "intended_at": step1.at,
-        "settled_at": done.at, "updated_at": done.at, "attention": None}
+        "settled_at": done.at, "updated_at": done.at, "attention": None, "waiting": None}
     # The escalated step: unknown, and no further check planned.
     assert (second["status"], second["outcome"], second["needs_attention"]) == (
         "unknown", "unknown", True)

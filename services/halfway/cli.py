@@ -106,11 +106,46 @@ class Runnable(StrEnum):
     API = "api"
 
 
+AppOption = Annotated[str | None, typer.Option(
+    "--app", envvar="HALFWAY_APP", show_envvar=True,
+    help="the app to serve, MODULE:ATTR (imported from the current directory first); "
+         "default: the built-in tools, halfway.builtin:app")]
+ModelOption = Annotated[str | None, typer.Option(
+    "--model", envvar="HALFWAY_MODEL", show_envvar=True,
+    help="scripted (default), or openai:MODEL_NAME for any OpenAI-compatible endpoint "
+         "(OPENAI_BASE_URL, OPENAI_API_KEY)")]
+
+
+def _load_app(ref: str | None) -> Any:
+    from halfway.app import AppNotFound, load_app
+
+    try:
+        return load_app(ref)
+    except (AppNotFound, ValueError, TypeError) as exc:
+        typer.echo(f"halfway: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _load_model(ref: str | None, app_: Any) -> Any:
+    from halfway.app import load_model
+
+    try:
+        return load_model(ref, app_)
+    except ValueError as exc:
+        typer.echo(f"halfway: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
 @app.command()
-def run(service: Annotated[Runnable, typer.Argument(help="which service")]) -> None:
+def run(service: Annotated[Runnable, typer.Argument(help="which service")],
+        app_ref: AppOption = None, model: ModelOption = None) -> None:
     """Run a service until SIGTERM: decider, executor, reconciler, outcomes (the user-facing
     topic), projector (the PostgreSQL read model), gateway (webhooks in), api (HTTP + web page)."""
     log.configure()
+    if service in (Runnable.DECIDER, Runnable.EXECUTOR, Runnable.RECONCILER):
+        loaded = _load_app(app_ref)  # a wrong --app fails here, with its reason, not later
+        if service is Runnable.DECIDER:
+            _load_model(model, loaded)
     match service:
         case Runnable.GATEWAY:
             from halfway.gateway import serve_gateway
@@ -127,7 +162,89 @@ def run(service: Annotated[Runnable, typer.Argument(help="which service")]) -> N
         case _:
             from halfway.serve import serve
 
-            asyncio.run(serve(Service(service.value)))
+            asyncio.run(serve(Service(service.value), app_ref=app_ref, model_ref=model))
+
+
+@app.command()
+def dev(app_ref: AppOption = None, model: ModelOption = None) -> None:
+    """The local development loop: start the broker and PostgreSQL if needed, then run every
+    service of the app in this process (decider, executor, reconciler, outcomes, projector)
+    with readable logs, until Ctrl-C."""
+    from halfway.devloop import run_dev
+
+    loaded = _load_app(app_ref)
+    chosen = _load_model(model, loaded)
+    _infra("up", Component.ALL)
+    log.configure(json=False)
+    asyncio.run(run_dev(loaded, chosen))
+
+
+@app.command()
+def start(
+    task: Annotated[str, typer.Argument(help="the task id, e.g. tkt-1 (named by you)")],
+    app_ref: AppOption = None,
+    input_json: Annotated[str, typer.Option(
+        "--input", help='the task\'s input, a JSON object; its "prompt" is the user message')
+    ] = "{}",
+    tools: Annotated[str | None, typer.Option(
+        help="the tools the task may use, comma-separated; default: all of the app's")] = None,
+    saga: Annotated[bool, typer.Option(help="run the steps as a saga (undo on failure)")
+                    ] = False,
+    follow: Annotated[bool, typer.Option(
+        help="print the outcomes as they come; exit 0 only if the task succeeded")] = False,
+    timeout: Annotated[float | None, typer.Option(
+        help="with --follow: stop following after this many seconds (exit 3)")] = None,
+) -> None:
+    """Start a task (task.requested on the tasks topic)."""
+    import re
+
+    from halfway.contract.ids import TASK_ID_PATTERN
+    from halfway.start import start as start_task
+
+    if re.fullmatch(TASK_ID_PATTERN, task) is None:
+        typer.echo(f"halfway: task id {task!r} must match {TASK_ID_PATTERN}", err=True)
+        raise typer.Exit(2)
+    try:
+        task_input = json.loads(input_json)
+    except json.JSONDecodeError as exc:
+        typer.echo(f"halfway: --input is not JSON: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if not isinstance(task_input, dict):
+        typer.echo("halfway: --input must be a JSON object, e.g. '{\"prompt\": \"...\"}'",
+                   err=True)
+        raise typer.Exit(2)
+    loaded = _load_app(app_ref)
+    allowed = ([t.strip() for t in tools.split(",") if t.strip()] if tools is not None
+               else loaded.tool_names)
+    unknown = sorted(set(allowed) - set(loaded.tool_names))
+    if unknown or not allowed:
+        typer.echo(f"halfway: app {loaded.name} has no tool {', '.join(unknown) or '(none given)'}"
+                   f"; its tools: {', '.join(loaded.tool_names)}", err=True)
+        raise typer.Exit(2)
+    log.configure(level="WARNING")
+
+    def echo(message: Any) -> None:
+        who = "task" if message.subject == "task" else (
+            f"step {message.step_id}" + (" undo" if message.subject == "compensation" else ""))
+        typer.echo(f"{who}: {message.words}")
+
+    code = asyncio.run(start_task(task, task_input, allowed, saga=saga, follow=follow,
+                                  timeout_s=timeout, echo=echo))
+    if not follow:
+        typer.echo(f"{task}: requested (follow it with halfway status {task}, or start with "
+                   f"--follow)")
+    raise typer.Exit(code)
+
+
+@app.command()
+def modelsim(port: Annotated[int, typer.Option(help="0 picks a free port")] = 18083,
+             host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+             ) -> None:
+    """Run the OpenAI-compatible model simulator (chat completions with tool calls) until
+    stopped."""
+    from halfway.simulators import modelsim as sim
+
+    raise typer.Exit(sim.main(["--host", host, "--port", str(port)]))
 
 
 @app.command()

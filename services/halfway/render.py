@@ -11,6 +11,10 @@ def step_line(step: StepState) -> str:
     """One line a person (or a model) cannot misread."""
     intent = step.intent
     what = f"{intent.tool} {intent.subject or ''}".strip() + f" (reference {intent.key})"
+    unserved = step.unserved
+    if step.status is StepStatus.INTENDED and unserved is not None and not unserved.undo:
+        return (f"decided, waiting: no executor here serves tool {unserved.tool} (an executor "
+                f"of app {unserved.app} met it); {what}")
     return effect_line(step.effect, what, unknown_advice="do not start another one")
 
 

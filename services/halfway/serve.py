@@ -1,7 +1,8 @@
-"""Running a service: wiring settings, the journal writer, tools and model, until stopped.
+"""Running a service: wiring settings, the journal writer, the app's tools and the model.
 
-`halfway run decider|executor` calls `serve(name)`; the demo runs the same services in one
-process with `start(name, ...)`.
+`halfway run decider|executor|reconciler|outcomes [--app MODULE:ATTR] [--model NAME]` calls
+`serve(name, app=..., model=...)`; `halfway dev` and the demos run the same services in one
+process with `run_service(...)`.
 """
 
 from __future__ import annotations
@@ -9,13 +10,17 @@ from __future__ import annotations
 import asyncio
 import signal
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from halfway import log
 from halfway.journal import JournalWriter
 from halfway.journal.admin import ensure_topics_once_up
 from halfway.models import Model, ScriptedModel
 from halfway.settings import KafkaSettings
-from halfway.tools.registry import Registry, default_registry
+from halfway.tools.registry import Registry
+
+if TYPE_CHECKING:
+    from halfway.app import App
 
 
 class Service(StrEnum):
@@ -26,20 +31,24 @@ class Service(StrEnum):
 
 
 async def run_service(name: Service, settings: KafkaSettings, registry: Registry,
-                      model: Model | None = None) -> None:
-    """Run one service until cancelled."""
+                      model: Model | None = None, *, app: App | None = None) -> None:
+    """Run one service until cancelled. `app` (when given) names what is served: its
+    instructions go to the model, its label into the journal."""
     from halfway import settings as env
     from halfway.decider.service import Decider
     from halfway.executor.service import Executor
     from halfway.outcomes.service import OutcomesPublisher
     from halfway.reconciler.service import Reconciler
 
+    label = app.label if app is not None else "unnamed"
     async with JournalWriter(settings) as writer:
         match name:
             case Service.DECIDER:
-                await Decider(settings, registry, model or ScriptedModel(), writer).run()
+                await Decider(settings, registry, model or ScriptedModel(), writer,
+                              instructions=app.instructions if app is not None else "",
+                              app_label=label).run()
             case Service.EXECUTOR:
-                await Executor(settings, registry, writer).run()
+                await Executor(settings, registry, writer, app_label=label).run()
             case Service.RECONCILER:
                 await Reconciler(settings, registry, writer,
                                  lookups=env.reconciler_lookups()).run()
@@ -47,22 +56,37 @@ async def run_service(name: Service, settings: KafkaSettings, registry: Registry
                 await OutcomesPublisher(settings, writer).run()
 
 
-async def serve(name: Service) -> None:
-    """The process entry point: stop cleanly on SIGTERM or SIGINT."""
-    log.configure()
-    settings = KafkaSettings.from_env()
-    await ensure_topics_once_up(settings)
-    registry = default_registry()
+def stop_on_signals() -> None:
+    """SIGTERM and SIGINT cancel the running task: services stop cleanly."""
     task = asyncio.current_task()
     assert task is not None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, task.cancel)
-    log.get("halfway.serve").info("service starting", service=name.value,
-                                  bootstrap=settings.bootstrap, prefix=settings.topic_prefix)
+
+
+async def serve(name: Service, *, app_ref: str | None = None,
+                model_ref: str | None = None) -> None:
+    """The process entry point: stop cleanly on SIGTERM or SIGINT."""
+    from halfway.app import load_app, load_model
+
+    log.configure()
+    app = load_app(app_ref)
+    model = load_model(model_ref, app) if name is Service.DECIDER else None
+    settings = KafkaSettings.from_env()
+    await ensure_topics_once_up(settings)
+    registry = app.registry()
+    stop_on_signals()
+    log.get("halfway.serve").info(
+        "service starting", service=name.value, app=app.label, tools=sorted(registry.names()),
+        model=None if model is None else model.name, bootstrap=settings.bootstrap,
+        prefix=settings.topic_prefix)
     try:
-        await run_service(name, settings, registry)
+        await run_service(name, settings, registry, model, app=app)
     except asyncio.CancelledError:
         log.get("halfway.serve").info("service stopped", service=name.value)
     finally:
         await registry.aclose()
+        close = getattr(model, "aclose", None)
+        if close is not None:
+            await close()

@@ -131,11 +131,31 @@ class SubjectHeld(_Part):
     holder: StepId = Field(description="The step whose claim holds the subject")
 
 
+class Usage(_Part):
+    """What one model question cost, as the model's endpoint reported it."""
+
+    input_tokens: int = Field(0, ge=0)
+    output_tokens: int = Field(0, ge=0)
+
+
 class DecidedBy(_Part):
     """Which model decided a step: the journal says who chose, not just what."""
 
     model: str = Field(min_length=1)
     version: str | None = None
+    usage: Usage | None = Field(None, description="The tokens the question for this decision "
+                                                  "cost, when the model reports them")
+    app: str | None = Field(None, max_length=200,
+                            description="The app that decided it: `name@fingerprint` of its "
+                                        "tools")
+
+
+class ProposedCall(_Part):
+    """A tool call the model proposed in the same answer as a step's, not run (one step at a
+    time: each is decided once the one before it settled)."""
+
+    tool: str = Field(min_length=1, max_length=200)
+    args: JsonObject = Field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,6 +236,11 @@ class StepIntended(_StepEvent):
     saga_role: SagaRole | None = None
     compensation: CompensationPlan | None = None
     decided_by: DecidedBy
+    also_proposed: list[ProposedCall] = Field(
+        default_factory=list, max_length=16,
+        description="Further tool calls of the same model answer (parallel tool calls): not "
+                    "run; the model reads that and proposes them again as next steps if still "
+                    "needed")
     claim_id: str | None = Field(
         None, min_length=1, max_length=64,
         description="The subject guard claim (the event id of its subject.claimed) this step "
@@ -248,6 +273,32 @@ class StepRefused(_Event):
         None, description="Set when a subject held by another step blocked the proposal: the "
                           "task waits for that subject's release, then asks again; such a "
                           "refusal does not count toward the refusal limit")
+
+
+class ModelFailed(_Event):
+    """A question to the model for step `n` got no usable answer (an error, a timeout). The
+    decider asks again after a backoff, a bounded number of times; a permanent failure (a
+    refused key, an unknown model) ends the task instead."""
+
+    type: Literal["model.failed"] = "model.failed"
+    n: int = Field(ge=1, le=STEP_N_MAX)
+    model: str = Field(min_length=1, max_length=200)
+    error: str = Field(min_length=1, max_length=2000)
+    status: int | None = Field(None, description="The endpoint's HTTP status, if it answered")
+    transient: bool = Field(description="Worth asking again (timeouts, 429, 5xx); false for "
+                                        "401, 403, 400, 404: asking again cannot help")
+    retry_after_s: float | None = Field(None, ge=0, le=86_400,
+                                        description="What the endpoint asked us to wait")
+
+
+class StepUnserved(_StepEvent):
+    """An executor met a step (or an undo) for a tool its app does not have: the step waits
+    for an executor that serves it. Written once per step by each executor that meets it."""
+
+    type: Literal["step.unserved"] = "step.unserved"
+    tool: str = Field(min_length=1, max_length=200)
+    app: str = Field(min_length=1, max_length=200, description="`name@fingerprint` it serves")
+    undo: bool = False
 
 
 class StepAttempted(_StepEvent):
@@ -377,6 +428,7 @@ class TaskFinished(_Event):
     type: Literal["task.finished"] = "task.finished"
     state: FinalState
     summary: str = Field(min_length=1)
+    decided_by: DecidedBy | None = Field(None, description="Set when the model said finished")
 
 
 Event = Annotated[
@@ -385,6 +437,8 @@ Event = Annotated[
     | TaskRejected
     | StepIntended
     | StepRefused
+    | ModelFailed
+    | StepUnserved
     | StepAttempted
     | StepSettled
     | StepChecked
@@ -403,6 +457,8 @@ EVENT_TYPES: tuple[type[BaseModel], ...] = (
     TaskRejected,
     StepIntended,
     StepRefused,
+    ModelFailed,
+    StepUnserved,
     StepAttempted,
     StepSettled,
     StepChecked,

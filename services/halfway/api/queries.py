@@ -58,6 +58,7 @@ SELECT * FROM (
     SELECT t.task_id, {state} AS state, t.status, t.final_state, t.needs_attention, t.summary,
            t.steps AS step_count, t.started_at, t.finished_at, t.updated_at, t.aborted_by,
            t.aborted_reason, t.attention, t.not_accepted::text AS not_accepted,
+           t.model_questions, t.tokens_in, t.tokens_out, t.model_unavailable,
            coalesce(c.done, 0) AS done, coalesce(c.not_done, 0) AS not_done,
            coalesce(c.unknown, 0) AS unknown, coalesce(c.in_flight, 0) AS in_flight,
            coalesce(c.intended, 0) AS intended, coalesce(c.contradictions, 0) AS contradictions,
@@ -80,7 +81,7 @@ _STEPS = """
 SELECT step_id, n, tool, args::text AS args, key, subject, effect_class, decided_by, status,
        outcome, evidence::text AS evidence, reason, source, attempts, unknowns, checks,
        last_check, next_check_at, needs_attention, contradictions, intended_at, settled_at,
-       updated_at, attention
+       updated_at, attention, waiting
 FROM {schema}.steps WHERE task_id = $1 ORDER BY n LIMIT $2
 """
 

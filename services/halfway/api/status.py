@@ -159,6 +159,11 @@ def status_table(task: Mapping[str, Any], now: datetime | None = None) -> str:
         head.append(f"  summary: {' '.join(str(task['summary']).split())}")
     if task.get("attention"):
         head.append(f"  needs attention: {' '.join(str(task['attention']).split())}")
+    if task.get("model_unavailable"):
+        head.append(f"  the model is unavailable: {task['model_unavailable']}")
+    if task.get("model_questions"):
+        head.append(f"  model: {task['model_questions']} question(s), {task.get('tokens_in', 0)} "
+                    f"tokens in, {task.get('tokens_out', 0)} out")
     for refused in task.get("not_accepted") or []:
         head.append(f"  not accepted: {refused.get('type')} {refused.get('step_id')} "
                     f"({refused.get('tool')}): {refused.get('reason')}")
@@ -177,6 +182,8 @@ def status_table(task: Mapping[str, Any], now: datetime | None = None) -> str:
             notes.append(f"step {s['n']}: {s['contradictions']} later report(s) disagreed with "
                          f"this outcome (a contradiction, kept in the journal): check "
                          f"{s['key']} with the provider")
+        if s.get("waiting"):
+            notes.append(f"step {s['n']}: waiting: {s['waiting']}")
         undo = s.get("compensation")
         if undo is not None:
             notes.append(f"step {s['n']} undo: {_undo_words(undo, now)} "

@@ -2,13 +2,14 @@
 
 An adapter turns whatever its client library raised into one `CallFailure` (what was observed,
 not what it means); `classify` decides the outcome. The rule is one sentence: **`not_done` needs
-proof**. There are exactly two proofs:
+proof**. There are exactly three proofs:
 
 - the provider answered and refused: a 4xx other than 408 (timeout), 409 (conflict, e.g. the
   same key still in flight), 425 (too early) and 429 (rate limited: Stripe's limiter runs before
   its idempotency layer, so it says nothing about an earlier request). Within a key's lifetime a
   keyed provider replays the saved result of an earlier attempt, so a refusal of a retry with the
   same key speaks for every attempt;
+- an app tool raised `Refused("why")`: its author states the effect did not happen;
 - the request provably never left (connection refused, name not resolved, connect timeout), and
   this is the step's first attempt. On a later attempt it proves nothing about the earlier ones.
 
@@ -37,6 +38,14 @@ class Replied:
     # The provider answered from its idempotency store (`Idempotent-Replayed`): the answer to
     # an earlier attempt with this key, which every retry with the key gets again.
     replayed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ToolRefused:
+    """The tool's own code said no (`raise Refused("why")` in an app tool): its author states
+    the effect did not happen, which is proof like a provider's refusal."""
+
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +83,7 @@ class Unexpected:
     what: str
 
 
-CallFailure = Replied | NotSent | TimedOut | ConnectionLost | Crashed | Unexpected
+CallFailure = Replied | ToolRefused | NotSent | TimedOut | ConnectionLost | Crashed | Unexpected
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +114,8 @@ def classify(failure: CallFailure, *, attempt: int = 1) -> Verdict:
             again = "; the provider replayed this saved answer" if replayed else ""
             return Verdict(Outcome.UNKNOWN, f"HTTP {status} {what}"
                            + (f" ({code})" if code else "") + again + "; it may have happened")
+        case ToolRefused(reason=reason):
+            return Verdict(Outcome.NOT_DONE, f"refused: {reason}")
         case NotSent(why=why) if attempt == 1:
             return Verdict(Outcome.NOT_DONE, f"never reached the provider: {why}")
         case NotSent(why=why):

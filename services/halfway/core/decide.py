@@ -32,6 +32,7 @@ new step; its steps in flight settle first.
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -43,6 +44,7 @@ from halfway.contract import (
     CompensationPlan,
     EffectClass,
     FinalState,
+    ModelFailed,
     Outcome,
     SagaRole,
     SubjectHeld,
@@ -50,9 +52,17 @@ from halfway.contract import (
     step_id,
 )
 from halfway.core import saga
+from halfway.core.args import parse_args
 from halfway.core.fold import StepStatus, TaskState, TaskStatus
 
 REFUSALS_MAX = 3  # refused proposals for one step before the task gives up
+# Failed model questions for one step (model.failed) before the task ends needs_attention;
+# between them the decider waits MODEL_BACKOFF_S_BASE * 2**k (at most MODEL_BACKOFF_S_MAX, with
+# jitter), or longer if the endpoint asked (Retry-After, at most MODEL_RETRY_AFTER_S_MAX).
+MODEL_FAILURES_MAX = 5
+MODEL_BACKOFF_S_BASE = 1.0
+MODEL_BACKOFF_S_MAX = 60.0
+MODEL_RETRY_AFTER_S_MAX = 600.0
 # How long a task waits for a subject another step holds, when its policy has no deadline.
 BLOCKED_WAIT_S_MAX = 86_400.0
 # The model's arguments, as JSON: a step and its refusal must fit a journal record with room.
@@ -114,11 +124,20 @@ class WaitFor:
 
 
 @dataclass(frozen=True, slots=True)
+class RetryAt:
+    """The model failed to answer for the next step: ask again at `at` (the shell wakes the
+    task then), not before."""
+
+    at: datetime
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
 class Idle:
     """Nothing to do: not started, rejected or finished."""
 
 
-TaskMove = Start | Reject | Ask | Abort | Compensate | Finish | Hold | WaitFor | Idle
+TaskMove = Start | Reject | Ask | Abort | Compensate | Finish | Hold | WaitFor | RetryAt | Idle
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +194,8 @@ def decide(state: TaskState, *, known_tools: set[str], requested: bool, now: dat
     waiting = refused[-1].blocked if refused and still_held_by(refused[-1].blocked,
                                                                   still_held) else None
     give_up = None
+    final = FinalState.FAILED
+    failures, failed = state.model_failures.get(n, (0, None))
     if policy.deadline is not None and now >= policy.deadline:
         give_up = f"the deadline {policy.deadline:%Y-%m-%d %H:%M}Z passed"
         if waiting is not None:
@@ -191,12 +212,34 @@ def decide(state: TaskState, *, known_tools: set[str], requested: bool, now: dat
             return WaitFor(waiting, until)
         give_up = (f"waited for {waiting.subject} until {until:%Y-%m-%d %H:%M}Z; "
                    f"{waiting.holder} still holds it")
+    elif failed is not None and not failed.transient:
+        give_up = f"the model is unavailable: {failed.error} (asking again cannot help)"
+    elif failed is not None and failures >= MODEL_FAILURES_MAX:
+        give_up = (f"the model is unavailable: {failures} questions for step {n} failed; "
+                   f"the last: {failed.error}")
+        final = FinalState.NEEDS_ATTENTION
+    elif failed is not None:
+        at = model_retry_at(failures, failed)
+        if now < at:
+            return RetryAt(at, f"the model is unavailable ({failed.error}); asking again at "
+                               f"{at:%H:%M:%S}Z, {failures} of {MODEL_FAILURES_MAX} failed")
     if give_up is not None:
-        # A saga before its pivot is called off (and undone); anything else just fails.
+        # A saga before its pivot is called off (and undone); anything else ends.
         if policy.saga and not saga.past_pivot(state):
             return Abort(give_up)
-        return Finish(FinalState.FAILED, give_up)
+        return Finish(final, give_up)
     return Ask(n)
+
+
+def model_retry_at(failures: int, last: ModelFailed) -> datetime:
+    """When to ask the model again after `failures` failed questions, the last one `last`:
+    exponential backoff with jitter drawn from the failure's event id (pure, and the same in
+    every process), never sooner than the endpoint asked."""
+    jitter = 0.5 + 0.5 * (zlib.crc32(last.event_id.encode()) / 0xFFFFFFFF)
+    delay_s = min(MODEL_BACKOFF_S_MAX, MODEL_BACKOFF_S_BASE * 2 ** (failures - 1)) * jitter
+    if last.retry_after_s is not None:
+        delay_s = max(delay_s, min(last.retry_after_s, MODEL_RETRY_AFTER_S_MAX))
+    return last.at + timedelta(seconds=delay_s)
 
 
 def still_held_by(held: SubjectHeld | None, still_held: Callable[[SubjectHeld], bool]) -> bool:
@@ -292,7 +335,7 @@ def accept_call(state: TaskState, n: int, tool: ToolFacts | None, tool_name: str
         return Refused(f"refused: the arguments for {tool_name} are {size_bytes} bytes of "
                        f"JSON; at most {ARGS_BYTES_MAX} are accepted")
     try:
-        parsed = tool.args_model.model_validate(args)
+        parsed = parse_args(tool.args_model, args)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
                              for e in exc.errors(include_url=False))

@@ -58,6 +58,7 @@ from halfway.contract.events import (
     CompensationSettled,
     Event,
     FinalState,
+    ModelFailed,
     Outcome,
     SettlementSource,
     StepAttempted,
@@ -65,6 +66,7 @@ from halfway.contract.events import (
     StepIntended,
     StepRefused,
     StepSettled,
+    StepUnserved,
     TaskAborted,
     TaskFinished,
     TaskRejected,
@@ -214,6 +216,9 @@ class StepState:
     effect: EffectState = EffectState()
     compensation: CompensationIntended | None = None
     undo: EffectState = EffectState()
+    # The last executor that met this step (or its undo) without its tool: shown while the
+    # effect waits for one that serves it.
+    unserved: StepUnserved | None = None
 
     @property
     def step_id(self) -> str:
@@ -230,6 +235,26 @@ class StepState:
     @property
     def outcome(self) -> Outcome | None:
         return self.effect.outcome
+
+
+@dataclass(frozen=True, slots=True)
+class ModelUse:
+    """What the task's model questions cost: every decision, refusal, finish and failure."""
+
+    questions: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+    def plus(self, event: Event) -> ModelUse:
+        decided_by = getattr(event, "decided_by", None)
+        if isinstance(event, ModelFailed):
+            return replace(self, questions=self.questions + 1)
+        if decided_by is None:
+            return self
+        usage = decided_by.usage
+        return ModelUse(self.questions + 1,
+                        self.input_tokens + (usage.input_tokens if usage else 0),
+                        self.output_tokens + (usage.output_tokens if usage else 0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +284,12 @@ class TaskState:
     withdrawn_claims: frozenset[str] = frozenset()
     # Decisions the log cannot accept (a paused decider's late write): never executed.
     not_accepted: tuple[NotAccepted, ...] = ()
+    # Failed model questions per step: (how many, the last one).
+    model_failures: Mapping[int, tuple[int, ModelFailed]] = field(
+        default_factory=lambda: MappingProxyType({}))
+    # What the model questions behind the task's record cost: its decisions, refusals,
+    # failures and finish as the fold took them (a stale decider's copy of one is not counted).
+    usage: ModelUse = field(default_factory=lambda: ModelUse())
     # Event ids already applied (rule 1): bookkeeping, not part of what the task *is*.
     applied: frozenset[str] = field(default=frozenset(), compare=False)
 
@@ -338,7 +369,8 @@ def apply(state: TaskState, event: Event) -> TaskState:
         case TaskFinished():
             if state.finished is not None:
                 return state
-            return replace(state, finished=event, status=TaskStatus.FINISHED)
+            return replace(state, finished=event, status=TaskStatus.FINISHED,
+                           usage=state.usage.plus(event))
         case StepIntended():
             if event.n in state.steps:
                 return state  # rule 2: the first decision is the decision
@@ -347,14 +379,31 @@ def apply(state: TaskState, event: Event) -> TaskState:
                 return _not_accepted(state, event, why)
             steps = dict(state.steps)
             steps[event.n] = StepState(intent=event)
-            state = replace(state, steps=MappingProxyType(steps))
+            state = replace(state, steps=MappingProxyType(steps), usage=state.usage.plus(event))
             return _adopt_orphans(state, event.n)
         case StepRefused():
             if event.n in state.steps:
                 return state  # too late to matter
             # Every refusal counts, even one that repeats an earlier one word for word: a
             # model that keeps proposing the same thing must run into REFUSALS_MAX.
-            return replace(state, refusals=(*state.refusals, event))
+            return replace(state, refusals=(*state.refusals, event),
+                           usage=state.usage.plus(event))
+        case ModelFailed():
+            if event.n in state.steps or state.finished is not None:
+                return state  # too late to matter
+            count, _ = state.model_failures.get(event.n, (0, event))
+            failures = dict(state.model_failures)
+            failures[event.n] = (count + 1, event)
+            return replace(state, model_failures=MappingProxyType(failures),
+                           usage=state.usage.plus(event))
+        case StepUnserved():
+            _, n = parse_step_id(event.step_id)
+            step = state.steps.get(n)
+            if step is None:
+                return _note(state, event, f"step {event.step_id} was never intended")
+            steps = dict(state.steps)
+            steps[n] = replace(step, unserved=event)
+            return replace(state, steps=MappingProxyType(steps))
         case ClaimWithdrawn():
             _, n = parse_step_id(event.step_id)
             step = state.steps.get(n)

@@ -39,6 +39,8 @@ from halfway.contract import (
     EffectClass,
     Event,
     FinalState,
+    ModelFailed,
+    ProposedCall,
     StepIntended,
     StepRefused,
     SubjectHeld,
@@ -46,6 +48,7 @@ from halfway.contract import (
     TaskFinished,
     TaskRejected,
     TaskStarted,
+    Usage,
     encode_event,
     mint_undo_key,
     step_id,
@@ -62,6 +65,7 @@ from halfway.core.decide import (
     Finish,
     Refused,
     Reject,
+    RetryAt,
     Start,
     WaitFor,
     accept_call,
@@ -76,12 +80,18 @@ from halfway.journal import JournalWriter
 from halfway.journal.follower import JournalFollower, run_until_cancelled
 from halfway.journal.guards import GuardView
 from halfway.journal.records import stamp
-from halfway.models import Model, ProposeFinish, history_of
+from halfway.models import Model, ModelUnavailable, ProposeCall, ProposeFinish, history_of
+from halfway.models import Usage as ModelUsage
 from halfway.settings import KafkaSettings
 from halfway.tools.registry import Registry
 
 MODEL_CALLS_MAX = 64  # questions in flight at once; more wait for a slot
-MODEL_TIMEOUT_S = 120.0
+MODEL_TIMEOUT_S = 150.0  # a bound beyond the model adapter's own (openai_chat: 120 s)
+ALSO_PROPOSED_MAX = 15  # further calls of one answer kept with its step (not run)
+# A move that failed outside the model (the journal unreachable): the task is tried again after
+# PLACE_RETRY_S_BASE * 2**k, at most PLACE_RETRY_S_MAX, never in a tight loop.
+PLACE_RETRY_S_BASE = 0.5
+PLACE_RETRY_S_MAX = 30.0
 # A request is copied into `task.started`; past this it could not be journaled with room.
 TASK_REQUEST_BYTES_MAX = 256 * 1024
 TOOL_NAME_CHARS_MAX = 200  # of a proposed tool name, as journaled in a refusal
@@ -90,10 +100,15 @@ ERROR_CHARS_MAX = 1000  # of an error, in the summary of a task given up on
 
 class Decider:
     def __init__(self, settings: KafkaSettings, registry: Registry, model: Model,
-                 writer: JournalWriter, *, group: str | None = None) -> None:
+                 writer: JournalWriter, *, group: str | None = None, instructions: str = "",
+                 app_label: str | None = None) -> None:
         self.registry = registry
         self.model = model
         self.writer = writer
+        self.instructions = instructions  # the app's system prompt
+        self.app_label = app_label  # journaled with each decision: which app decided it
+        # Consecutive failures of a move outside the model, per question: for the backoff.
+        self._place_failures: dict[tuple[str, int], int] = {}
         # One group per deployment (topic prefix): two deployments on one cluster must not
         # rebalance each other.
         group = group or f"{settings.topic_prefix}decider"
@@ -192,6 +207,9 @@ class Decider:
                 await self._write(TaskFinished(**stamp(task_id), state=final, summary=summary))
             case WaitFor(held=held, until=until):
                 self._wait(task_id, held, until)
+            case RetryAt(at=at, why=why):
+                self._wake_at(task_id, at)
+                self._log.info("waiting for the model", why=why)
             case Ask(n=n) if (task_id, n) not in self._asking:
                 self._asking[(task_id, n)] = asyncio.create_task(self._ask(task_id, n))
             case _:
@@ -200,32 +218,86 @@ class Decider:
     def _wait(self, task_id: str, held: SubjectHeld, until: datetime) -> None:
         """Wake the task when the subject is released (the guard view says so), or at `until`."""
         self._waiting.setdefault((held.tool, held.subject), set()).add(task_id)
+        self._wake_at(task_id, until)
+        self._log.info("waiting for a subject", subject=held.subject, holder=held.holder,
+                       until=until.isoformat())
+
+    def _wake_at(self, task_id: str, at: datetime) -> None:
+        """Touch the task at `at` (one timer per task: a later call replaces it)."""
+        self._wake_in(task_id, (at - datetime.now(UTC)).total_seconds())
+
+    def _wake_in(self, task_id: str, delay_s: float) -> None:
         if (old := self._timers.pop(task_id, None)) is not None:
             old.cancel()
-        delay_s = max(0.0, (until - datetime.now(UTC)).total_seconds())
 
         def wake() -> None:
             self._timers.pop(task_id, None)
             self.follower.touch(task_id)
 
-        self._timers[task_id] = asyncio.get_running_loop().call_later(delay_s, wake)
-        self._log.info("waiting for a subject", subject=held.subject, holder=held.holder,
-                       until=until.isoformat())
+        self._timers[task_id] = asyncio.get_running_loop().call_later(max(0.0, delay_s), wake)
 
     async def _ask(self, task_id: str, n: int) -> None:
+        retry_in_s = None
         with log.bound(task_id=task_id, step_id=f"{task_id}:{n}"):
             try:
                 if not self.follower.owns(task_id):
                     return  # revoked between the change and this task starting
-                async with self._slots, asyncio.timeout(MODEL_TIMEOUT_S):
-                    history = history_of(self._state(task_id), n, self.registry.infos())
-                    proposal = await self.model.decide(history)
-                await self._place(task_id, n, proposal)
+                async with self._slots:
+                    history = history_of(self._state(task_id), n, self.registry.infos(),
+                                         self.instructions)
+                    answer = await self._question(history)
+                if isinstance(answer, ModelUnavailable):
+                    await self._model_failed(task_id, n, answer)
+                else:
+                    await self._place(task_id, n, answer)
+                self._place_failures.pop((task_id, n), None)
             except Exception:
-                self._log.exception("asking the model failed; the step stays undecided")
+                # Not the model's failure (that is journaled above): the journal could not be
+                # written, say. Try again later, never in a tight loop (each try asks anew).
+                failures = self._place_failures.get((task_id, n), 0) + 1
+                self._place_failures[(task_id, n)] = failures
+                retry_in_s = min(PLACE_RETRY_S_MAX, PLACE_RETRY_S_BASE * 2 ** (failures - 1))
+                self._log.exception("placing the model's answer failed; the step stays "
+                                    "undecided", retry_in_s=retry_in_s)
             finally:
                 del self._asking[(task_id, n)]
-                self.follower.touch(task_id)
+                if retry_in_s is None:
+                    self.follower.touch(task_id)
+                else:
+                    self._wake_in(task_id, retry_in_s)
+
+    async def _question(self, history: Any) -> Any:
+        """The model's answer, or why there is none (ModelUnavailable): it never raises."""
+        try:
+            async with asyncio.timeout(MODEL_TIMEOUT_S):
+                return await self.model.decide(history)
+        except ModelUnavailable as exc:
+            return exc
+        except TimeoutError:
+            return ModelUnavailable(f"no answer within {MODEL_TIMEOUT_S:g} s", transient=True)
+        except Exception as exc:  # a model of the app's own that raised: worth asking again
+            return ModelUnavailable(f"{type(exc).__name__}: {exc}", transient=True)
+
+    async def _model_failed(self, task_id: str, n: int, failure: ModelUnavailable) -> None:
+        """Journal the failed question: the fold counts it, `decide` backs off or ends."""
+        if not self._still_asking(task_id, n):
+            return
+        retry_after_s = failure.retry_after_s
+        await self._write(ModelFailed(
+            **stamp(task_id), n=n, model=str(self.model.name)[:200] or "?",
+            error=(failure.error or "no answer")[:ERROR_CHARS_MAX], status=failure.status,
+            transient=failure.transient,
+            retry_after_s=None if retry_after_s is None else min(max(0.0, retry_after_s),
+                                                                   86_400.0)))
+        self._log.warning("the model failed", error=failure.error, transient=failure.transient,
+                          status=failure.status)
+
+    def _decided_by(self, usage: ModelUsage | None) -> DecidedBy:
+        return DecidedBy(
+            model=str(self.model.name)[:200] or "?", version=self.model.version,
+            usage=None if usage is None else Usage(input_tokens=max(0, usage.input_tokens),
+                                                   output_tokens=max(0, usage.output_tokens)),
+            app=self.app_label)
 
     def _still_asking(self, task_id: str, n: int) -> bool:
         """The task is still ours and still waits for step `n` (it may have moved on while the
@@ -242,17 +314,23 @@ class Decider:
         if not self._still_asking(task_id, n):
             return
         state = self._state(task_id)
+        decided_by = self._decided_by(proposal.usage)
         if isinstance(proposal, ProposeFinish):
             await self._write(TaskFinished(**stamp(task_id), state=final_state_for(state),
-                                           summary=proposal.summary))
+                                           summary=proposal.summary[:ERROR_CHARS_MAX] or "done",
+                                           decided_by=decided_by))
+            return
+        if proposal.malformed:
+            await self._refuse(task_id, n, proposal, f"refused: {proposal.malformed}",
+                               decided_by)
             return
         tool = self.registry.get(proposal.tool)
         fields = accept_call(state, n, tool.spec.facts() if tool else None, proposal.tool,
                              proposal.args)
-        decided_by = DecidedBy(model=self.model.name, version=self.model.version)
         if isinstance(fields, Refused):
             await self._refuse(task_id, n, proposal, fields.reason, decided_by)
             return
+        fields["also_proposed"] = also_proposed(proposal)
         if fields["subject"] is not None and fields["effect_class"] is not EffectClass.READ:
             assert tool is not None
             claim = SubjectClaimed(event_id=new_event_id(), at=datetime.now(UTC),
@@ -285,7 +363,8 @@ class Decider:
     async def _refuse(self, task_id: str, n: int, proposal: Any, reason: str,
                       decided_by: DecidedBy, blocked: SubjectHeld | None = None) -> None:
         """Nothing is placed. The refusal is journaled so the model, asked again, reads why."""
-        args = proposal.args if args_bytes(proposal.args) <= ARGS_BYTES_MAX else {}
+        args = proposal.args if isinstance(proposal.args, dict) and \
+            args_bytes(proposal.args) <= ARGS_BYTES_MAX else {}
         await self._write(StepRefused(**stamp(task_id), n=n,
                                       tool=str(proposal.tool)[:TOOL_NAME_CHARS_MAX] or "?",
                                       args=args, reason=reason, decided_by=decided_by,
@@ -333,3 +412,19 @@ class Decider:
     async def _write(self, event: Event) -> None:
         meta = await self.writer.append(event)
         self.follower.note_write(event.task_id, meta.partition, meta.offset)
+
+
+def also_proposed(proposal: ProposeCall) -> list[ProposedCall]:
+    """The further calls of a parallel answer, kept with the step as not run. Why not run them
+    as consecutive steps: each step is decided only once the one before it settled (an
+    unknown must hold the task), and the model, told they did not run, proposes again what it
+    still needs, knowing how the first came out. Bounded in number and in bytes."""
+    kept: list[ProposedCall] = []
+    budget = ARGS_BYTES_MAX
+    for tool, args in proposal.also[:ALSO_PROPOSED_MAX]:
+        size = args_bytes(args)
+        fits = isinstance(args, dict) and size <= budget
+        budget -= size if fits else 0
+        kept.append(ProposedCall(tool=str(tool)[:TOOL_NAME_CHARS_MAX] or "?",
+                                 args=args if fits else {}))
+    return kept

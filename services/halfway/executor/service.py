@@ -26,7 +26,15 @@ from datetime import UTC, datetime
 from aiokafka.structs import RecordMetadata
 
 from halfway import log
-from halfway.contract import EffectClass, Event, Outcome, SettlementSource, parse_step_id
+from halfway.contract import (
+    EffectClass,
+    Event,
+    Outcome,
+    SettlementSource,
+    StepUnserved,
+    parse_step_id,
+)
+from halfway.core.args import parse_args
 from halfway.core.classify import NotSent, Replied, TimedOut, classify
 from halfway.core.effects import Effect, effects_to_work
 from halfway.core.fold import Attempt
@@ -58,10 +66,11 @@ CONFIRM_TIMEOUT_S = 10.0
 
 class Executor(StepWorker):
     def __init__(self, settings: KafkaSettings, registry: Registry, writer: JournalWriter, *,
-                 group: str | None = None) -> None:
+                 group: str | None = None, app_label: str = "unnamed") -> None:
         super().__init__()
         self.registry = registry
         self.writer = writer
+        self.app_label = app_label  # which app this executor serves: `name@fingerprint`
         group = group or f"{settings.topic_prefix}executor"  # one group per deployment
         self.follower = JournalFollower(settings, group=group, writer=writer,
                                         on_change=self._on_change)
@@ -86,8 +95,7 @@ class Executor(StepWorker):
             return
         tool = self.registry.get(effect.tool)
         if tool is None:
-            self._log.error("no such tool here; the effect waits", move=effect.move_id,
-                            tool=effect.tool)
+            self._unserved(effect)
             return
         action = next_action(effect.state, tool.spec.policy(), now)
         match action:
@@ -97,6 +105,23 @@ class Executor(StepWorker):
                 self.wake_at(effect, until, now)
             case _:
                 self.start_move(effect, self._move(effect, tool, action))
+
+    def _unserved(self, effect: Effect) -> None:
+        """A step for a tool this executor's app does not have: say so in the task's journal
+        (once per app), so its status shows what it waits for, instead of a silent stall."""
+        state = self.follower.states.get(effect.task_id)
+        step = None if state is None else state.step(parse_step_id(effect.step_id)[1])
+        if step is not None and step.unserved is not None and \
+                step.unserved.app == self.app_label and step.unserved.undo == effect.undo:
+            return  # already said
+        self._log.error("no executor here serves this tool; the effect waits",
+                        move=effect.move_id, tool=effect.tool, app=self.app_label)
+        self.start_move(effect, self._write_unserved(effect))
+
+    async def _write_unserved(self, effect: Effect) -> None:
+        await self._write(StepUnserved(**stamp(effect.task_id), step_id=effect.step_id,
+                                       tool=effect.tool[:200], app=self.app_label[:200],
+                                       undo=effect.undo))
 
     async def _move(self, effect: Effect, tool: Tool | None, action: Action) -> None:
         with log.bound(task_id=effect.task_id, step_id=effect.step_id, undo=effect.undo):
@@ -117,7 +142,7 @@ class Executor(StepWorker):
                 attempted = effect.attempted(stamp(task_id), n, datetime.now(UTC))
                 meta = await self._write(attempted)
                 # Write before acting: from here on, a crash leaves "attempted, no outcome".
-                args = spec.args_model.model_validate(dict(effect.args))
+                args = parse_args(spec.args_model, dict(effect.args))
                 if not await self._may_send(effect, spec.effect_class, attempted, meta):
                     return
                 late_s = (datetime.now(UTC) - attempted.started_at).total_seconds()

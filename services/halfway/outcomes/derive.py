@@ -218,6 +218,13 @@ def _task(state: TaskState) -> Change | None:
                                      f"{called_off.reason}; no new step is decided, steps in "
                                      f"flight settle, and a saga undoes what is done"),
                               reason=called_off.reason, at=_newest_at(state))
+            failing = state.model_failures.get(state.next_step_n)
+            if failing is not None:
+                count, last = failing
+                words = (f"running; the model is unavailable: {last.error}; {count} failed "
+                         f"question(s) for step {last.n}")
+                return Change(**base, state="running", words=words, reason=last.error,
+                              at=max(last.at, _newest_at(state)))
             return Change(**base, state="running", words="running", at=_newest_at(state))
 
 

@@ -34,11 +34,13 @@ PRIMARY_KEYS: dict[str, tuple[str, ...]] = {
 COLUMNS: dict[str, tuple[str, ...]] = {
     "tasks": ("task_id", "status", "final_state", "needs_attention", "input", "allowed_tools",
               "summary", "steps", "started_at", "finished_at", "updated_at", "aborted_by",
-              "aborted_reason", "attention", "not_accepted"),
+              "aborted_reason", "attention", "not_accepted", "model_questions", "tokens_in",
+              "tokens_out", "model_unavailable"),
     "steps": ("step_id", "task_id", "n", "tool", "args", "key", "subject", "effect_class",
               "decided_by", "status", "outcome", "evidence", "reason", "source", "attempts",
               "unknowns", "checks", "last_check", "next_check_at", "needs_attention",
-              "contradictions", "intended_at", "settled_at", "updated_at", "attention"),
+              "contradictions", "intended_at", "settled_at", "updated_at", "attention",
+              "waiting"),
     "attempts": ("step_id", "attempt", "key", "started_at"),
     "checks": ("event_id", "step_id", "at", "found", "next_check_at"),
     "compensations": ("step_id", "task_id", "tool", "args", "key", "status", "outcome",
@@ -84,7 +86,21 @@ def task_row(state: TaskState) -> Row:
         "not_accepted": [{"type": n.event.type, "step_id": n.event.step_id,
                           "tool": n.event.tool, "reason": n.reason}
                          for n in state.not_accepted],
+        # What the model cost, and why it is not answering (the next step's last failure).
+        "model_questions": state.usage.questions,
+        "tokens_in": state.usage.input_tokens,
+        "tokens_out": state.usage.output_tokens,
+        "model_unavailable": _model_unavailable(state),
     }
+
+
+def _model_unavailable(state: TaskState) -> str | None:
+    failing = state.model_failures.get(state.next_step_n)
+    if failing is None or state.finished is not None or state.rejected is not None:
+        return None
+    count, last = failing
+    status = f"HTTP {last.status}: " if last.status is not None else ""
+    return f"{status}{last.error} ({count} failed question(s) for step {last.n})"
 
 
 def step_rows(state: TaskState) -> list[Row]:
@@ -123,6 +139,10 @@ def _step_row(task_id: str, step: StepState) -> Row:
         "settled_at": None if settlement is None else settlement.at,
         "updated_at": _latest(_effect_times(effect, intent.at)),
         "attention": effect.attention_why or None,
+        "waiting": (f"no executor here serves tool {step.unserved.tool} (an executor of app "
+                    f"{step.unserved.app} met it)"
+                    if step.unserved is not None and step.status is StepStatus.INTENDED
+                    else None),
     }
 
 
@@ -228,6 +248,8 @@ def _task_times(state: TaskState) -> Iterator[datetime]:
             yield event.at
     for refused in state.not_accepted:
         yield refused.event.at
+    for _, failed in state.model_failures.values():
+        yield failed.at
     for step in state.steps.values():
         yield from _effect_times(step.effect, step.intent.at)
         if step.compensation is not None:

@@ -95,6 +95,11 @@ ALTER TABLE {schema}.compensations
 ALTER TABLE {schema}.tasks ADD COLUMN IF NOT EXISTS attention text;  -- why a person must look
 ALTER TABLE {schema}.tasks ADD COLUMN IF NOT EXISTS not_accepted jsonb;  -- refused decisions
 ALTER TABLE {schema}.steps ADD COLUMN IF NOT EXISTS attention text;  -- why this step needs one
+ALTER TABLE {schema}.tasks ADD COLUMN IF NOT EXISTS model_questions integer NOT NULL DEFAULT 0;
+ALTER TABLE {schema}.tasks ADD COLUMN IF NOT EXISTS tokens_in bigint NOT NULL DEFAULT 0;
+ALTER TABLE {schema}.tasks ADD COLUMN IF NOT EXISTS tokens_out bigint NOT NULL DEFAULT 0;
+ALTER TABLE {schema}.tasks ADD COLUMN IF NOT EXISTS model_unavailable text;  -- last model.failed
+ALTER TABLE {schema}.steps ADD COLUMN IF NOT EXISTS waiting text;  -- e.g. no executor serves it
 
 CREATE TABLE IF NOT EXISTS {schema}.applied_offsets (
     topic            text NOT NULL,

@@ -33,6 +33,7 @@ from halfway import log
 from halfway.contract import Event, Outcome, SettlementSource, parse_step_id
 from halfway.contract.ids import UNDO_SUFFIX
 from halfway.contract.topics import WEBHOOKS
+from halfway.core.args import parse_args
 from halfway.core.effects import Effect, effects_to_work
 from halfway.core.fold import TaskState
 from halfway.core.next_action import (
@@ -113,7 +114,7 @@ class Reconciler(StepWorker):
         if effect is not None and tool is not None:
             read = getattr(tool.adapter, "read_webhook", None)
             if read is not None:
-                report = read(tool.spec.args_model.model_validate(dict(effect.args)), hook)
+                report = read(parse_args(tool.spec.args_model, dict(effect.args)), hook)
         elif effect is not None:
             return Ignore(f"no tool {effect.tool} here to read it")
         # With lookups off, nothing can corroborate a negative report: its word is all there is.
@@ -186,7 +187,7 @@ class Reconciler(StepWorker):
         with log.bound(task_id=effect.task_id, step_id=effect.step_id, undo=effect.undo):
             try:
                 async with self._slots:
-                    args = spec.args_model.model_validate(dict(effect.args))
+                    args = parse_args(spec.args_model, dict(effect.args))
                     ctx = CallContext(effect.step_id, effect.key, len(effect.state.attempts),
                                       spec.timeout_s)
                     found = await tool.adapter.lookup(args, ctx)

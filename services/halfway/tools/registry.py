@@ -19,6 +19,7 @@ class Registry:
     def __init__(self, tools: list[Tool]) -> None:
         self._tools = {t.spec.name: t for t in tools}
         assert len(self._tools) == len(tools), "tool names must be unique"
+        self._infos: list[ToolInfo] | None = None
 
     def names(self) -> set[str]:
         return set(self._tools)
@@ -33,9 +34,16 @@ class Registry:
         if missing:
             raise ValueError(f"undo tools missing from the registry: {', '.join(missing)}")
 
+    def specs(self) -> list[ToolSpec]:
+        return [t.spec for t in self._tools.values()]
+
     def infos(self) -> list[ToolInfo]:
-        return [ToolInfo(t.spec.name, t.spec.description, t.spec.args_model.model_json_schema())
-                for t in self._tools.values()]
+        """What the model reads of each tool (built once: a JSON schema costs CPU)."""
+        if self._infos is None:
+            self._infos = [ToolInfo(t.spec.name, t.spec.description,
+                                    t.spec.args_model.model_json_schema())
+                           for t in self._tools.values()]
+        return self._infos
 
     async def aclose(self) -> None:
         for tool in self._tools.values():
@@ -44,9 +52,9 @@ class Registry:
                 await close()
 
 
-def default_registry() -> Registry:
-    """The tools of this deployment, configured from the environment: the payment tool and
-    the travel tools (flight hold, hotel booking, email; each undo is a tool too)."""
+def builtin_tools() -> list[Tool]:
+    """The built-in tools, configured from the environment: the payment tool and the travel
+    tools (flight hold, hotel booking, email; each undo is a tool too)."""
     from halfway.tools.payments import PaymentsAdapter, charge_customer_spec
     from halfway.tools.travel import travel_tools
 
@@ -54,7 +62,11 @@ def default_registry() -> Registry:
                                 key_ttl_s=settings.charge_key_ttl_s(),
                                 completes_within_s=settings.charge_completes_within_s())
     travel = travel_tools(settings.tripsim_url(), timeout_s=settings.travel_timeout_s())
-    registry = Registry([Tool(spec, PaymentsAdapter(settings.paysim_url())),
-                         *(Tool(s, a) for s, a in travel)])
+    return [Tool(spec, PaymentsAdapter(settings.paysim_url())), *(Tool(s, a) for s, a in travel)]
+
+
+def default_registry() -> Registry:
+    """The built-in tools as a registry (the demos' app: `halfway.builtin:app`)."""
+    registry = Registry(builtin_tools())
     registry.check_undos()
     return registry

@@ -101,6 +101,10 @@ class CallContext:
     attempt: int
     timeout_s: float
 
+    @property
+    def task_id(self) -> str:
+        return self.step_id.rpartition(":")[0]
+
 
 class Adapter(Protocol):
     async def call(self, args: BaseModel, ctx: CallContext) -> CallResult: ...

@@ -1,0 +1,50 @@
+"""`halfway start`: ask for a task, and with `--follow` print its outcomes as they come.
+
+The request goes to the tasks topic (`task.requested`); the outcomes come from the outcomes
+topic, three states per step: done with evidence; not done, safe to try again; unknown, being
+checked, with when. The exit code says how the task ended: 0 only when it succeeded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from halfway.client import HalfwayClient
+from halfway.contract import TaskPolicy
+from halfway.contract.outcomes import OutcomeChanged
+from halfway.settings import KafkaSettings
+
+EXIT_SUCCEEDED = 0
+EXIT_NOT_SUCCEEDED = 1  # failed, compensated, rejected, needs attention
+EXIT_TIMED_OUT = 3  # --timeout passed before the task finished
+FINAL_STATES = ("succeeded", "failed", "compensated", "needs_attention", "rejected")
+
+
+async def start(task_id: str, input: dict[str, Any], tools: list[str], *, saga: bool,
+                follow: bool, timeout_s: float | None,
+                echo: Callable[[OutcomeChanged], None]) -> int:
+    """Request the task; with `follow`, echo its outcome messages until it is over."""
+    settings = KafkaSettings.from_env()
+    async with HalfwayClient(settings) as client:
+        stream = client.outcomes(task_id) if follow else None
+        if stream is not None:
+            await stream.start()  # from the beginning: a task started earlier shows whole
+        try:
+            await client.start_task(task_id, input, tools, TaskPolicy(saga=saga))
+            if stream is None:
+                return EXIT_SUCCEEDED
+            try:
+                async with asyncio.timeout(timeout_s):
+                    async for message in stream:
+                        echo(message)
+                        if message.subject == "task" and message.finished:
+                            return (EXIT_SUCCEEDED if message.state == "succeeded"
+                                    else EXIT_NOT_SUCCEEDED)
+            except TimeoutError:
+                return EXIT_TIMED_OUT
+        finally:
+            if stream is not None:
+                await stream.aclose()
+    return EXIT_NOT_SUCCEEDED
