@@ -199,6 +199,7 @@ def start(
     import re
 
     from halfway.contract.ids import TASK_ID_PATTERN
+    from halfway.start import BrokerUnreachable
     from halfway.start import start as start_task
 
     if re.fullmatch(TASK_ID_PATTERN, task) is None:
@@ -228,8 +229,12 @@ def start(
             f"step {message.step_id}" + (" undo" if message.subject == "compensation" else ""))
         typer.echo(f"{who}: {message.words}")
 
-    code = asyncio.run(start_task(task, task_input, allowed, saga=saga, follow=follow,
-                                  timeout_s=timeout, echo=echo))
+    try:
+        code = asyncio.run(start_task(task, task_input, allowed, saga=saga, follow=follow,
+                                      timeout_s=timeout, echo=echo))
+    except BrokerUnreachable as exc:
+        typer.echo(f"halfway: {exc}", err=True)
+        raise typer.Exit(2) from None
     if not follow:
         typer.echo(f"{task}: requested (follow it with halfway status {task}, or start with "
                    f"--follow)")

@@ -51,7 +51,7 @@ async def run_service(name: Service, settings: KafkaSettings, registry: Registry
                 await Executor(settings, registry, writer, app_label=label).run()
             case Service.RECONCILER:
                 await Reconciler(settings, registry, writer,
-                                 lookups=env.reconciler_lookups()).run()
+                                 lookups=env.reconciler_lookups(), app_label=label).run()
             case Service.OUTCOMES:
                 await OutcomesPublisher(settings, writer).run()
 

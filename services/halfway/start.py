@@ -14,12 +14,17 @@ from typing import Any
 from halfway.client import HalfwayClient
 from halfway.contract import TaskPolicy
 from halfway.contract.outcomes import OutcomeChanged
+from halfway.journal.admin import ensure_topics_once_up
 from halfway.settings import KafkaSettings
 
 EXIT_SUCCEEDED = 0
 EXIT_NOT_SUCCEEDED = 1  # failed, compensated, rejected, needs attention
 EXIT_TIMED_OUT = 3  # --timeout passed before the task finished
-FINAL_STATES = ("succeeded", "failed", "compensated", "needs_attention", "rejected")
+BROKER_WAIT_S = 60.0  # for the broker to answer before the request is given up
+
+
+class BrokerUnreachable(Exception):
+    """The request could not be sent: no broker answered."""
 
 
 async def start(task_id: str, input: dict[str, Any], tools: list[str], *, saga: bool,
@@ -27,6 +32,13 @@ async def start(task_id: str, input: dict[str, Any], tools: list[str], *, saga: 
                 echo: Callable[[OutcomeChanged], None]) -> int:
     """Request the task; with `follow`, echo its outcome messages until it is over."""
     settings = KafkaSettings.from_env()
+    try:
+        async with asyncio.timeout(BROKER_WAIT_S):  # `halfway dev` may still be starting
+            await ensure_topics_once_up(settings)
+    except TimeoutError:
+        raise BrokerUnreachable(f"no Kafka broker answers at {settings.bootstrap} within "
+                                f"{BROKER_WAIT_S:g} s: is it running (halfway up, or halfway "
+                                f"dev)?") from None
     async with HalfwayClient(settings) as client:
         stream = client.outcomes(task_id) if follow else None
         if stream is not None:

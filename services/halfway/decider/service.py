@@ -113,7 +113,8 @@ class Decider:
         # rebalance each other.
         group = group or f"{settings.topic_prefix}decider"
         self.follower = JournalFollower(settings, group=group, writer=writer,
-                                        on_change=self._on_change, side=TASKS)
+                                        on_change=self._on_change, side=TASKS,
+                                        app_label=app_label)
         self.follower.on_give_up = self._give_up
         self.guards = GuardView(settings, writer, on_record=self._on_guard_record)
         self._asking: dict[tuple[str, int], asyncio.Task[None]] = {}

@@ -73,7 +73,7 @@ class Executor(StepWorker):
         self.app_label = app_label  # which app this executor serves: `name@fingerprint`
         group = group or f"{settings.topic_prefix}executor"  # one group per deployment
         self.follower = JournalFollower(settings, group=group, writer=writer,
-                                        on_change=self._on_change)
+                                        on_change=self._on_change, app_label=app_label)
         self._slots = asyncio.Semaphore(CALLS_IN_FLIGHT_MAX)
         self._log = log.get("halfway.executor")
 

@@ -116,14 +116,14 @@ class JournalFollower:
     def __init__(self, settings: KafkaSettings, *, group: str, writer: JournalWriter,
                  on_change: OnChange, side: TopicSpec | None = None,
                  on_event: OnEvent | None = None, on_assign: OnAssign | None = None,
-                 on_revoke: OnRevoke | None = None) -> None:
+                 on_revoke: OnRevoke | None = None, app_label: str | None = None) -> None:
         assert side in (None, TASKS, WEBHOOKS), "side topics must be keyed by task id"
         topics: tuple[TopicSpec, ...] = (JOURNAL,) if side is None else (JOURNAL, side)
         self.group = group
         self._journal = JOURNAL.name(settings.topic_prefix)
         self._webhooks = WEBHOOKS.name(settings.topic_prefix) if side is WEBHOOKS else None
         self._consumer = EventConsumer(settings, topics=topics, group=group, writer=writer,
-                                       listener=_Listener(self))
+                                       listener=_Listener(self), app_label=app_label)
         self._on_change = on_change
         self._on_event = on_event
         self._on_assign = on_assign

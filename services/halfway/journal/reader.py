@@ -23,6 +23,7 @@ from halfway import log
 from halfway.contract.topics import WEBHOOKS, TopicSpec
 from halfway.journal.deadletters import DeadLetters, RawWriter
 from halfway.journal.limits import fetch_limits
+from halfway.journal.membership import labelled_range
 from halfway.journal.records import (
     Delivery,
     InvalidRecord,
@@ -38,8 +39,11 @@ FETCH_RECORDS_MAX = 500
 class EventConsumer:
     def __init__(self, settings: KafkaSettings, *, topics: tuple[TopicSpec, ...], group: str,
                  writer: RawWriter, listener: ConsumerRebalanceListener | None = None,
-                 ) -> None:
+                 app_label: str | None = None) -> None:
         self.group = group
+        self.app_label = app_label
+        # Every app label the group's members announced at the last rebalance (membership).
+        self.group_apps: dict[str, int] = {}
         self._topics = [t.name(settings.topic_prefix) for t in topics]
         # Each topic's own contract: task events everywhere but on the webhooks topic.
         webhooks = WEBHOOKS.name(settings.topic_prefix)
@@ -57,9 +61,19 @@ class EventConsumer:
             # Range assignment gives one instance the same partition number of every topic:
             # the tasks topic and the journal are both keyed by task id, so one instance sees
             # a task's request and its journal.
-            partition_assignment_strategy=(RangePartitionAssignor,),
+            partition_assignment_strategy=(
+                RangePartitionAssignor if app_label is None
+                else labelled_range(app_label, self._group_apps),),
             **fetch_limits(),
         )
+
+    def _group_apps(self, labels: dict[str, int]) -> None:
+        self.group_apps = labels
+        if len(labels) > 1:
+            self._log.error(
+                "the members of this group serve different apps: tasks are split between "
+                "them, and a step for a tool one lacks waits for one that has it; run one app "
+                "per group (topic prefix)", apps=labels, this=self.app_label)
 
     @property
     def dead_lettered(self) -> int:

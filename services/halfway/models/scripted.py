@@ -1,11 +1,14 @@
 """A deterministic scripted model: the embedded default for demos and tests.
 
 It follows the task's input: `input["script"]` is a list of steps `{"tool", "args"}`; after
-the last one it finishes with `input.get("summary")`. It behaves like a real model in the one
-way that matters here: asked twice for the same step it answers differently (a step may carry
-`"reask_args"`, merged over `args` on every ask after the first, e.g. `{"amount_cents":
-"49.00"}`), so tests can prove a resumed task re-reads its decision instead of asking again.
-Told that a proposal was refused, it corrects itself and proposes the script's own args.
+the last one it finishes with `input.get("summary")`. A task without a script is a permanent
+model failure (the task fails, saying why), never a success with no step.
+
+It behaves like a real model in the one way that matters here: asked twice for the same step
+it answers differently (a step may carry `"reask_args"`, merged over `args` on every ask after
+the first, e.g. `{"amount_cents": "49.00"}`), so tests can prove a resumed task re-reads its
+decision instead of asking again. Told that a proposal was refused, it corrects itself and
+proposes the script's own args.
 
 A step may also carry `"second_ask_delay_s"`: asked for that step a second time (by another
 decider that took the task over, say), the model thinks that long before it answers, as a slow
@@ -25,7 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from halfway import settings
-from halfway.models.base import History, Proposal, ProposeCall, ProposeFinish
+from halfway.models.base import (
+    History,
+    ModelUnavailable,
+    Proposal,
+    ProposeCall,
+    ProposeFinish,
+)
 
 DELAY_S_MAX = 600.0  # of a scripted model's thinking
 
@@ -57,6 +66,12 @@ class ScriptedModel:
                 os.fsync(f.fileno())  # the count must survive a kill -9 right after
 
     async def decide(self, history: History) -> Proposal:
+        if "script" not in history.input:
+            # Finishing "done" after no step would tell the caller the task succeeded.
+            raise ModelUnavailable(
+                "the scripted model follows input.script, and this task has none: give the "
+                "task a script, or run the decider with a real model (--model openai:NAME)",
+                transient=False)
         script: list[dict[str, Any]] = list(history.input.get("script", []))
         asked_before = self.times_asked(history.task_id, history.n)
         if history.n > len(script):

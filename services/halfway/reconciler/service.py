@@ -66,14 +66,16 @@ LOOKUPS_IN_FLIGHT_MAX = 200
 
 class Reconciler(StepWorker):
     def __init__(self, settings: KafkaSettings, registry: Registry, writer: JournalWriter, *,
-                 lookups: bool = True, group: str | None = None) -> None:
+                 lookups: bool = True, group: str | None = None,
+                 app_label: str | None = None) -> None:
         super().__init__()
         self.registry = registry
         self.writer = writer
         self.lookups = lookups  # off: only webhooks (and operators) settle unknown steps
         group = group or f"{settings.topic_prefix}reconciler"  # one group per deployment
         self.follower = JournalFollower(settings, group=group, writer=writer,
-                                        on_change=self._on_change, side=WEBHOOKS)
+                                        on_change=self._on_change, side=WEBHOOKS,
+                                        app_label=app_label)
         self._slots = asyncio.Semaphore(LOOKUPS_IN_FLIGHT_MAX)
         self._log = log.get("halfway.reconciler")
 

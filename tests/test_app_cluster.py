@@ -1,0 +1,132 @@
+"""A user's app through real processes: `halfway run SERVICE --app MODULE:ATTR`.
+
+The user's module lives in a directory of its own and is imported from the services' working
+directory, as a user would run it. Judged from outside: the journal, the provider's ledger and
+the model's call log.
+"""
+
+from __future__ import annotations
+
+import textwrap
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from halfway.contract import FinalState, Outcome, SettlementSource, StepUnserved
+from halfway.render import step_line
+from halfway.settings import KafkaSettings
+
+pytest.register_assert_rewrite("tests.processes")
+
+from tests.processes import CLUSTER_KEY, Cluster, cluster, renewal_request, stop  # noqa: E402
+
+pytest_plugins = ["tests.processes"]
+pytestmark = pytest.mark.broker
+
+LONG_WAIT_S = 120.0
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tickets"
+
+OTHER_APP = '''
+from halfway import App
+
+app = App(name="other", instructions="You only look things up.")
+
+
+@app.tool(effect="read")
+async def look_up(query: str) -> dict:
+    """Look something up."""
+    return {"query": query}
+'''
+
+
+@pytest.fixture
+async def core(kafka_settings: KafkaSettings, tmp_path: Path,
+               request: pytest.FixtureRequest) -> AsyncIterator[Cluster]:
+    async with cluster(kafka_settings, tmp_path, charge_timeout_s=1.0) as c:
+        request.node.stash[CLUSTER_KEY] = c
+        yield c
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+async def test_a_step_no_executor_serves_is_reported_not_silent(core: Cluster,
+                                                                tmp_path: Path) -> None:
+    apps = tmp_path / "apps"
+    apps.mkdir()
+    (apps / "otheragent.py").write_text(textwrap.dedent(OTHER_APP))
+    await core.start("decider")  # the built-in app: it decides a charge
+    other = await core.start("executor", "--app", "otheragent:app", cwd=apps)
+    await core.start("reconciler")
+    task_id = new_id("unserved")
+    await core.publish(renewal_request(task_id, reask=False))
+
+    event = await core.journal.first(
+        lambda e: isinstance(e, StepUnserved) and e.task_id == task_id,
+        "the executor says it does not serve the step's tool", timeout_s=LONG_WAIT_S)
+    assert isinstance(event, StepUnserved)
+    assert event.tool == "charge_customer"
+    assert event.app.startswith("other@")
+    state = core.journal.states[task_id]
+    step = state.step(1)
+    assert step is not None
+    assert "no executor here serves tool charge_customer" in step_line(step)
+
+    # An executor of the right app joins the same group: both members say the group is mixed.
+    right = await core.start("executor")
+    mixed = "the members of this group serve different apps: tasks are split between them, " \
+            "and a step for a tool one lacks waits for one that has it; run one app per " \
+            "group (topic prefix)"
+    await other.until_logged(mixed, timeout_s=LONG_WAIT_S)
+    await right.until_logged(mixed, timeout_s=LONG_WAIT_S)
+    logged = right.logged(mixed)[-1]
+    assert len(logged["apps"]) == 2
+    assert any(label.startswith("builtin@") for label in logged["apps"])
+    await stop(other)
+
+    state = (await core.journal.until_finished([task_id], timeout_s=LONG_WAIT_S))[task_id]
+    assert state.final_state is FinalState.SUCCEEDED, state.finished
+
+
+async def test_the_example_app_through_several_processes(core: Cluster) -> None:
+    helpdesk = await core.start_listener(
+        "helpdesk", [str(EXAMPLE / "helpdesk.py"), "--port", "0"], cwd=EXAMPLE)
+    services = {"HELPDESK_URL": helpdesk}
+    for service in ("decider", "executor", "reconciler"):
+        await core.start(service, "--app", "ticketagent:app", cwd=EXAMPLE, **services)
+    # The helpdesk answers the first ticket late: the call times out, the ticket exists.
+    import httpx
+
+    async with httpx.AsyncClient(base_url=helpdesk, timeout=30.0) as client:
+        (await client.post("/faults", json={"slow_first_s": 8})).raise_for_status()
+        task_id = new_id("tkt")
+        from halfway.contract import TaskRequested
+        from halfway.journal.records import stamp
+
+        args = {"ref": "ACME-42", "title": "Printer on fire"}
+        await core.publish(TaskRequested(
+            **stamp(task_id), allowed_tools=["open_ticket"],
+            input={"prompt": "Open a ticket for ACME-42: printer on fire",
+                   "script": [{"tool": "open_ticket", "args": args}]}))
+
+        state = (await core.journal.until_finished([task_id], timeout_s=LONG_WAIT_S))[task_id]
+
+        assert state.final_state is FinalState.SUCCEEDED, state.finished
+        step = state.step(1)
+        assert step is not None
+        assert step.outcome is Outcome.DONE
+        settlement = step.effect.settlement
+        assert settlement is not None
+        assert settlement.source is SettlementSource.LOOKUP  # the reply came too late
+        assert step.effect.unknowns, "the first attempt should have timed out"
+        tickets = (await client.get("/tickets")).json()["data"]
+        assert [t["ref"] for t in tickets] == ["ACME-42"]  # one effect in the ledger
+        assert settlement.evidence is not None
+        assert settlement.evidence["ticket_id"] == tickets[0]["id"]
+    assert step.intent.decided_by.app is not None
+    assert step.intent.decided_by.app.startswith("tickets@")
+    asked = [c for c in core.model_calls() if c["task_id"] == task_id]
+    assert sorted(c["n"] for c in asked) == [1, 2]  # the model asked once per step
