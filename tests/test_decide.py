@@ -19,12 +19,17 @@ from halfway.core import fold
 from halfway.core.decide import (
     ARGS_BYTES_MAX,
     BLOCKED_WAIT_S_MAX,
+    MODEL_BACKOFF_S_BASE,
+    MODEL_BACKOFF_S_MAX,
+    MODEL_FAILURES_MAX,
+    Abort,
     Ask,
     Finish,
     Hold,
     Idle,
     Refused,
     Reject,
+    RetryAt,
     Start,
     ToolFacts,
     WaitFor,
@@ -32,7 +37,7 @@ from halfway.core.decide import (
     decide,
     final_state_for,
 )
-from halfway.models import ScriptedModel, history_of
+from halfway.models import ModelUnavailable, RefusalView, ScriptedModel, StepView, history_of
 from tests.factories import Stamper
 
 KNOWN = {"charge_customer"}
@@ -239,3 +244,84 @@ def test_oversized_arguments_are_refused_with_their_size(s: Stamper) -> None:
                           {"invoice": "x" * (ARGS_BYTES_MAX + 1), "amount_cents": 4900})
     assert isinstance(refusal, Refused)
     assert f"at most {ARGS_BYTES_MAX} are accepted" in refusal.reason
+
+
+# --- the model's failures --------------------------------------------------------------------
+
+
+def test_a_transient_model_failure_is_asked_again_after_a_backoff(s: Stamper) -> None:
+    failed = s.model_failed(1, retry_after_s=None)
+    state = fold([s.started(), failed])
+    move = decide(state, known_tools=KNOWN, requested=False, now=failed.at)
+    assert isinstance(move, RetryAt)
+    assert failed.at < move.at <= failed.at + timedelta(seconds=MODEL_BACKOFF_S_BASE)
+    assert "429" in move.why
+    assert decide(state, known_tools=KNOWN, requested=False, now=move.at) == Ask(1)
+
+
+def test_the_backoff_grows_is_capped_and_honours_retry_after(s: Stamper) -> None:
+    log = [s.started()]
+    delays = []
+    for _ in range(MODEL_FAILURES_MAX - 1):
+        log.append(s.model_failed(1))
+        move = decide(fold(log), known_tools=KNOWN, requested=False, now=log[-1].at)
+        assert isinstance(move, RetryAt)
+        delays.append((move.at - log[-1].at).total_seconds())
+    assert delays == sorted(delays)
+    assert max(delays) <= MODEL_BACKOFF_S_MAX
+    slow = s.model_failed(2, retry_after_s=30.0)
+    move = decide(fold([s.started(), s.intended(1), s.settled(1, Outcome.DONE), slow]),
+                  known_tools=KNOWN, requested=False, now=slow.at)
+    assert isinstance(move, RetryAt)
+    assert move.at >= slow.at + timedelta(seconds=30)
+
+
+def test_model_failures_are_bounded_then_need_attention(s: Stamper) -> None:
+    log = [s.started(), *(s.model_failed(1) for _ in range(MODEL_FAILURES_MAX))]
+    move = decide(fold(log), known_tools=KNOWN, requested=False, now=s.now)
+    assert isinstance(move, Finish)
+    assert move.state is FinalState.NEEDS_ATTENTION
+    assert f"{MODEL_FAILURES_MAX} questions for step 1 failed" in move.summary
+
+
+def test_a_permanent_model_failure_ends_the_task_at_once(s: Stamper) -> None:
+    failed = s.model_failed(1, "HTTP 401 invalid_api_key: Incorrect API key", status=401,
+                            transient=False)
+    move = decide(fold([s.started(), failed]), known_tools=KNOWN, requested=False, now=s.now)
+    assert isinstance(move, Finish)
+    assert move.state is FinalState.FAILED
+    assert "the model is unavailable: HTTP 401" in move.summary
+    # In a saga before its pivot, the same reason calls the saga off (and undoes it).
+    saga = s.started(policy=TaskPolicy(saga=True))
+    move = decide(fold([saga, failed.model_copy(update={"event_id": "x"})]),
+                  known_tools=KNOWN, requested=False, now=s.now)
+    assert isinstance(move, Abort)
+
+
+def test_failures_of_a_decided_step_change_nothing(s: Stamper) -> None:
+    log = [s.started(), s.intended(1)]
+    assert fold([*log, s.model_failed(1)]).model_failures == {}
+
+
+async def test_the_scripted_model_refuses_a_task_without_a_script() -> None:
+    s = Stamper("noscript-1")
+    state = fold([s.started()])
+    with pytest.raises(ModelUnavailable, match=r"input\.script") as raised:
+        await ScriptedModel().decide(history_of(state, 1, []))
+    assert raised.value.transient is False
+
+
+def test_the_conversation_is_the_journal_in_order(s: Stamper) -> None:
+    log = [s.started(), s.refused(1, "refused: bad amount"), s.intended(1),
+           s.settled(1, Outcome.DONE), s.refused(2, "refused: no such tool"),
+           s.refused(2, "refused: again")]
+    history = history_of(fold(log), 2, [], instructions="be careful")
+    kinds = [(type(t).__name__, t.n) for t in history.turns]
+    assert kinds == [("RefusalView", 1), ("StepView", 1), ("RefusalView", 2),
+                     ("RefusalView", 2)]
+    step = history.turns[1]
+    assert isinstance(step, StepView)
+    assert step.step_id == "renewal-8812:1"
+    assert step.line.startswith("done:")
+    assert len({t.call_id for t in history.turns if isinstance(t, RefusalView)}) == 3
+    assert history.instructions == "be careful"

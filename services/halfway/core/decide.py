@@ -22,6 +22,15 @@ deadline (or BLOCKED_WAIT_S_MAX); then the model is asked again and reads what h
 refusal does not count toward REFUSALS_MAX: waiting is not the model's mistake. A proposal
 blocked for good (a once-per-subject effect already done) is a refusal like any other.
 
+A question the model could not answer (an error, a timeout) is journaled as `model.failed`
+by the decider, and the fold counts them per step. A permanent failure (a refused key, an
+unknown model: asking again cannot help) ends the task `failed` at once; a transient one is
+asked again at `model_retry_at` (exponential backoff from the journal, jitter drawn from the
+failure's event id, never sooner than the endpoint's Retry-After), at most MODEL_FAILURES_MAX
+times for one step, then the task ends `needs_attention`. So the model requests of one task
+are bounded: per step, at most REFUSALS_MAX + 1 answers that count and MODEL_FAILURES_MAX
+failures (plus refusals while waiting for a held subject, bounded by the deadline).
+
 A saga (`halfway.core.saga`) adds two things: `accept_call` refuses a step that breaks the
 order of saga roles, and a failing saga is undone instead of asking further: `Compensate`
 journals the undo of each done step (last first), and the task finishes `compensated` once
