@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from halfway import log
+from halfway import log, metrics
 from halfway.journal.admin import ensure_topics_once_up
 from halfway.serve import Service, run_service, stop_on_signals
 from halfway.settings import KafkaSettings
@@ -27,6 +27,7 @@ async def run_dev(app: App, model: Model) -> None:
     from halfway.projector.service import Projector
 
     settings = KafkaSettings.from_env()
+    metrics.serve_from_env()
     await ensure_topics_once_up(settings)
     registry = app.registry()
     stop_on_signals()

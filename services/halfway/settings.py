@@ -134,6 +134,20 @@ def charge_key_ttl_s() -> float:
     return float(os.environ.get("HALFWAY_CHARGE_KEY_TTL_S", "86400"))
 
 
+# A task finished this long ago (by the journal's own clock) with every effect settled is
+# sealed: the services keep only its end. Stripe retries webhooks for 3 days; a day covers
+# late reports of all but the slowest.
+DEFAULT_SEAL_AFTER_S = 86_400.0
+
+
+def seal_after_s() -> float | None:
+    """`HALFWAY_SEAL_AFTER_S`: how long after its end a settled task is sealed (`off`: never)."""
+    raw = os.environ.get("HALFWAY_SEAL_AFTER_S", "").strip().lower()
+    if raw in ("off", "none"):
+        return None
+    return float(raw) if raw else DEFAULT_SEAL_AFTER_S
+
+
 DEFAULT_GATEWAY_PORT = 18090
 DEFAULT_PAYSIM_WEBHOOK_SECRET = "whsec_halfway_dev"
 

@@ -45,10 +45,10 @@ unknown case, and the executor must look it up before anything else), `done`, `n
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from types import MappingProxyType
-from typing import assert_never
+from typing import Any, TypeVar, assert_never
 
 from halfway.contract.events import (
     ClaimWithdrawn,
@@ -74,6 +74,26 @@ from halfway.contract.events import (
     TaskStarted,
 )
 from halfway.contract.ids import parse_step_id
+
+_T = TypeVar("_T")
+_FIELDS: dict[type, tuple[str, ...]] = {}
+_new = object.__new__
+_set = object.__setattr__
+
+
+def replace(obj: _T, **changes: Any) -> _T:
+    """`dataclasses.replace` for the fold's frozen, slotted states, without the generic
+    machinery (it is most of a replay's time after decoding): no state here has an
+    `__post_init__` or an `InitVar`, so copying the fields is the whole of it."""
+    kind = type(obj)
+    names = _FIELDS.get(kind)
+    if names is None:
+        names = _FIELDS[kind] = tuple(f.name for f in fields(obj))  # type: ignore[arg-type]
+    out = _new(kind)
+    for name in names:
+        _set(out, name, changes[name] if name in changes else getattr(obj, name))
+    return out
+
 
 Settlement = StepSettled | CompensationSettled
 Attempt = StepAttempted | CompensationAttempted

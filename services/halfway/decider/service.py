@@ -28,10 +28,12 @@ failing is tried again with backoff, and after FAILURES_MAX failures finished
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import UTC, datetime
 from typing import Any
 
-from halfway import log
+from halfway import log, metrics
+from halfway import settings as env
 from halfway.contract import (
     ClaimWithdrawn,
     CompensationIntended,
@@ -114,7 +116,8 @@ class Decider:
         group = group or f"{settings.topic_prefix}decider"
         self.follower = JournalFollower(settings, group=group, writer=writer,
                                         on_change=self._on_change, side=TASKS,
-                                        app_label=app_label)
+                                        app_label=app_label,
+                                        seal_after_s=env.seal_after_s())
         self.follower.on_give_up = self._give_up
         self.guards = GuardView(settings, writer, on_record=self._on_guard_record)
         self._asking: dict[tuple[str, int], asyncio.Task[None]] = {}
@@ -172,6 +175,8 @@ class Decider:
         await self.follower.for_each(task_ids, self._advance)
 
     async def _advance(self, task_id: str) -> None:
+        if task_id in self.follower.sealed:
+            return  # over for good: nothing to decide, and no claim of it to move
         with log.bound(task_id=task_id):
             state = self._state(task_id)
             if await self._move_claims(state):
@@ -269,15 +274,20 @@ class Decider:
 
     async def _question(self, history: Any) -> Any:
         """The model's answer, or why there is none (ModelUnavailable): it never raises."""
+        started = time.perf_counter()
+        answer: Any
         try:
             async with asyncio.timeout(MODEL_TIMEOUT_S):
-                return await self.model.decide(history)
+                answer = await self.model.decide(history)
         except ModelUnavailable as exc:
-            return exc
+            answer = exc
         except TimeoutError:
-            return ModelUnavailable(f"no answer within {MODEL_TIMEOUT_S:g} s", transient=True)
+            answer = ModelUnavailable(f"no answer within {MODEL_TIMEOUT_S:g} s", transient=True)
         except Exception as exc:  # a model of the app's own that raised: worth asking again
-            return ModelUnavailable(f"{type(exc).__name__}: {exc}", transient=True)
+            answer = ModelUnavailable(f"{type(exc).__name__}: {exc}", transient=True)
+        result = "failed" if isinstance(answer, ModelUnavailable) else "answered"
+        metrics.MODEL_QUESTIONS.labels(result=result).observe(time.perf_counter() - started)
+        return answer
 
     async def _model_failed(self, task_id: str, n: int, failure: ModelUnavailable) -> None:
         """Journal the failed question: the fold counts it, `decide` backs off or ends."""

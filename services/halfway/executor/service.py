@@ -21,11 +21,13 @@ first in the log for that attempt (it waits until its own fold has read its writ
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import UTC, datetime
 
 from aiokafka.structs import RecordMetadata
 
-from halfway import log
+from halfway import log, metrics
+from halfway import settings as env
 from halfway.contract import (
     EffectClass,
     Event,
@@ -73,7 +75,8 @@ class Executor(StepWorker):
         self.app_label = app_label  # which app this executor serves: `name@fingerprint`
         group = group or f"{settings.topic_prefix}executor"  # one group per deployment
         self.follower = JournalFollower(settings, group=group, writer=writer,
-                                        on_change=self._on_change, app_label=app_label)
+                                        on_change=self._on_change, app_label=app_label,
+                                        seal_after_s=env.seal_after_s())
         self._slots = asyncio.Semaphore(CALLS_IN_FLIGHT_MAX)
         self._log = log.get("halfway.executor")
 
@@ -161,11 +164,14 @@ class Executor(StepWorker):
                             source=SettlementSource.CALL, reason=verdict.reason))
                     return
                 ctx = CallContext(effect.step_id, effect.key, n, spec.timeout_s)
+                started = time.perf_counter()
                 try:
                     async with asyncio.timeout(spec.timeout_s + TIMEOUT_GRACE_S):
                         result = await tool.adapter.call(args, ctx)
                 except TimeoutError:
                     result = TimedOut(spec.timeout_s)
+                metrics.TOOL_CALLS.labels(tool=spec.name, result=type(result).__name__).observe(
+                    time.perf_counter() - started)
                 self._log.info("attempt answered", attempt=n, result=type(result).__name__)
                 if isinstance(result, Succeeded):
                     await self._write(effect.settled(

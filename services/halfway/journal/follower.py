@@ -16,6 +16,14 @@ Two rules keep a service from acting twice on its own writes:
 Offsets are never committed: every (re)start replays from zero, which is correct by
 construction and costs a full read of the owned partitions (snapshots would shorten it).
 
+Memory follows live work, not history (`seal_after_s`): a task that ended (finished or
+rejected) with every effect settled, `seal_after_s` before the newest record of its partition
+(the journal's own clock, so a replay seals exactly what the live follower sealed), is
+*sealed*: only its end is kept (enough to say it is over and to refuse a second start). Later
+step events for it are not folded, and its webhooks are weighed as orphans (quarantined, with
+the reason), so late news of a task sealed a day ago reaches an operator as a letter, not as a
+change of its state. A task that needs attention is never sealed.
+
 Nothing a task holds can stop the others: a service acts on each changed task through
 `for_each`, which catches what the act raises, logs it, and tries that task again later with a
 bounded backoff (after FAILURES_MAX failures in a row the service is told once, to give up on
@@ -33,17 +41,24 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 
-from halfway import log
-from halfway.contract import CompensationAttempted, Event, StepAttempted, TaskRequested
+from halfway import log, metrics
+from halfway.contract import (
+    CompensationAttempted,
+    Event,
+    StepAttempted,
+    StepSettled,
+    TaskRequested,
+)
 from halfway.contract.topics import JOURNAL, TASKS, WEBHOOKS, TopicSpec
 from halfway.contract.webhooks import WebhookReceived
-from halfway.core.fold import TaskState, apply
+from halfway.core.fold import StepStatus, TaskState, TaskStatus, apply
 from halfway.journal.reader import EventConsumer
 from halfway.journal.writer import JournalWriter
 from halfway.settings import KafkaSettings
@@ -71,6 +86,11 @@ HELD_WEBHOOKS_MAX = 10_000
 HELD_WEBHOOK_S_MAX = 300.0
 # How often the webhooks partitions' "weighed up to here" offsets are committed.
 WEBHOOK_COMMIT_INTERVAL_S = 1.0
+
+
+# What `_ready` says of a dirty task: report it now; keep it dirty (its own write is not
+# folded yet); or drop it (its partitions are catching up, or it is not ours).
+_READY, _LATER, _PARKED = object(), object(), object()
 
 
 @dataclass
@@ -116,7 +136,8 @@ class JournalFollower:
     def __init__(self, settings: KafkaSettings, *, group: str, writer: JournalWriter,
                  on_change: OnChange, side: TopicSpec | None = None,
                  on_event: OnEvent | None = None, on_assign: OnAssign | None = None,
-                 on_revoke: OnRevoke | None = None, app_label: str | None = None) -> None:
+                 on_revoke: OnRevoke | None = None, app_label: str | None = None,
+                 seal_after_s: float | None = None) -> None:
         assert side in (None, TASKS, WEBHOOKS), "side topics must be keyed by task id"
         topics: tuple[TopicSpec, ...] = (JOURNAL,) if side is None else (JOURNAL, side)
         self.group = group
@@ -146,6 +167,14 @@ class JournalFollower:
         self._progress = asyncio.Condition()
         self._committed_at_s = 0.0
         self.on_give_up: Callable[[str, BaseException], Awaitable[None]] | None = None
+        self._seal_after = None if seal_after_s is None else timedelta(seconds=seal_after_s)
+        self.sealed: set[str] = set()  # task ids whose state is only their end
+        # Per journal partition, ended tasks in the order their last event came: (at, id).
+        self._ended: dict[int, deque[tuple[datetime, str]]] = {}
+        self._ended_last: dict[str, datetime] = {}  # task id -> `at` of its newest entry
+        self._applied_counters = {name: metrics.EVENTS_APPLIED.labels(group, name)
+                                  for name in (t.name(settings.topic_prefix) for t in topics)}
+        metrics.watch(self)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -159,6 +188,11 @@ class JournalFollower:
         """Fold and report changes until cancelled."""
         try:
             while True:
+                # Yield to the loop once per batch: a fetch served from aiokafka's prefetched
+                # buffer returns without suspending, and a long replay that never suspends
+                # starves the consumer's heartbeat (the group then takes the partitions away
+                # and the replay starts over).
+                await asyncio.sleep(0)
                 deliveries = await self._consumer.batch(IDLE_FETCH_MS)
                 for d in deliveries:
                     self._apply(d.event, TopicPartition(d.topic, d.partition), d.offset)
@@ -167,9 +201,8 @@ class JournalFollower:
                 await self._commit_webhooks()
                 async with self._progress:
                     self._progress.notify_all()
-                ready = {t for t in self._dirty if self._ready(t)}
+                ready = self._take_ready()
                 if ready:
-                    self._dirty -= ready
                     try:
                         await self._on_change(ready)
                     except Exception:
@@ -185,6 +218,17 @@ class JournalFollower:
             self._retries.clear()
 
     # -- what services call ----------------------------------------------------------------
+
+    def partition_lags(self) -> list[tuple[str, int, int, bool]]:
+        """(topic, partition, records behind its end, caught up) of each owned partition."""
+        kafka = self._consumer.kafka
+        out = []
+        for tp, part in list(self._partitions.items()):
+            end = kafka.highwater(tp)
+            end = part.end_at_assign if end is None else end
+            out.append((tp.topic, tp.partition, max(0, end - part.applied_to - 1),
+                        part.caught_up))
+        return out
 
     def note_write(self, task_id: str, partition: int, offset: int) -> None:
         """The service appended to the journal: hold the task until the follower sees it."""
@@ -286,6 +330,7 @@ class JournalFollower:
         part = self._partitions.get(tp)
         if part is None:
             return  # a record fetched just before its partition was revoked
+        self._applied_counters[tp.topic].inc()
         if isinstance(event, WebhookReceived):
             if event.key is None or event.task_id is None:
                 return  # not about any effect of ours: nothing to match it with
@@ -302,17 +347,52 @@ class JournalFollower:
                                   partition=tp.partition, held=len(held))
             return
         part.tasks.add(event.task_id)
+        if isinstance(event, StepSettled):
+            metrics.STEPS_SETTLED.labels(self.group, event.outcome.value,
+                                         event.source.value).inc()
         if isinstance(event, StepAttempted | CompensationAttempted):
             self.first_attempt.setdefault(event.key, offset)
         if isinstance(event, TaskRequested) and tp.topic != self._journal:
             self.requests.setdefault(event.task_id, event)
+        elif event.task_id in self.sealed and not isinstance(event, TaskRequested):
+            return  # late news of a sealed task: not folded (see the module docstring)
         else:
             before = self.states.get(event.task_id)
             after = apply(before or TaskState(task_id=event.task_id), event)
             self.states[event.task_id] = after
             if self._on_event is not None and after is not before:
                 self._on_event(before, after, tp.partition)
+            if self._seal_after is not None:
+                if after.status in (TaskStatus.FINISHED, TaskStatus.REJECTED):
+                    self._ended.setdefault(tp.partition, deque()).append(
+                        (event.at, event.task_id))
+                    self._ended_last[event.task_id] = event.at
+                self._seal_due(tp.partition, event.at)
         self._dirty.add(event.task_id)
+
+    def _seal_due(self, number: int, now: datetime) -> None:
+        """Seal the tasks of journal partition `number` that ended `seal_after` before `now`
+        (the `at` of the record just folded) with every effect settled."""
+        assert self._seal_after is not None
+        ended = self._ended.get(number)
+        while ended and ended[0][0] + self._seal_after <= now:
+            at, task_id = ended.popleft()
+            if self._ended_last.get(task_id) != at:
+                continue  # it had news since: a later entry decides
+            del self._ended_last[task_id]
+            state = self.states.get(task_id)
+            if state is None or not settled_for_good(state):
+                continue  # needs attention, or an effect is open: its next event re-enters it
+            self.states[task_id] = TaskState(task_id=task_id, status=state.status,
+                                             finished=state.finished, rejected=state.rejected)
+            self.sealed.add(task_id)
+            self.requests.pop(task_id, None)
+            self._weighable.pop(task_id, None)
+            self._failures.pop(task_id, None)
+            for step in state.steps.values():
+                self.first_attempt.pop(step.intent.key, None)
+                if step.compensation is not None:
+                    self.first_attempt.pop(step.compensation.key, None)
 
     async def _refresh_positions(self) -> None:
         kafka = self._consumer.kafka
@@ -324,7 +404,9 @@ class JournalFollower:
             part.applied_to = position - 1
             if not part.caught_up and position >= part.end_at_assign:
                 part.caught_up = True
-                self._dirty |= part.tasks
+                for other_tp, other in self._partitions.items():  # its tasks, on every topic
+                    if other_tp.partition == tp.partition:
+                        self._dirty |= other.tasks
                 self._log.info("caught up", topic=tp.topic, partition=tp.partition,
                                offset=position, tasks=len(part.tasks))
 
@@ -394,28 +476,42 @@ class JournalFollower:
         part = self._partitions.get(awaiting[0])
         return part is not None and part.applied_to < awaiting[1]
 
-    def _ready(self, task_id: str) -> bool:
-        journal_parts = [p for tp, p in self._partitions.items()
-                         if tp.topic == self._journal and task_id in p.tasks]
-        request_parts = [p for tp, p in self._partitions.items()
-                         if tp.topic != self._journal and task_id in p.tasks]
-        if not journal_parts and not request_parts:
-            return False  # not ours (any more)
-        # The task's journal partition (same number as its tasks partition) must be caught up.
-        number = next(tp.partition for tp, p in self._partitions.items() if task_id in p.tasks)
+    def _take_ready(self) -> set[str]:
+        """The dirty tasks to report now. A task waiting for its own write stays dirty (few:
+        one per move in flight); one whose partitions are still catching up is dropped, and
+        dirtied again, with every task of its partitions, when they catch up. So the work per
+        batch follows the batch, never the number of tasks replayed so far: a long catch-up
+        does not starve the consumer's loop (and its heartbeat)."""
+        ready: set[str] = set()
+        for task_id in list(self._dirty):
+            verdict = self._ready(task_id)
+            if verdict is not _LATER:
+                self._dirty.discard(task_id)
+            if verdict is _READY:
+                ready.add(task_id)
+        return ready
+
+    def _ready(self, task_id: str) -> object:
+        numbers = {tp.partition for tp, p in self._partitions.items() if task_id in p.tasks}
+        if not numbers:
+            return _PARKED  # not ours (any more)
+        # The task's journal partition (same number as its tasks partition) and its side
+        # partition, if any, must be caught up.
+        number = min(numbers)
         journal = self._partitions.get(TopicPartition(self._journal, number))
         if journal is None or not journal.caught_up:
-            return False
-        if not all(p.caught_up for p in request_parts):
-            return False
+            return _PARKED
+        if not all(p.caught_up for tp, p in self._partitions.items()
+                   if tp.partition == number and task_id in p.tasks):
+            return _PARKED
         awaiting = self._awaiting.get(task_id)
         if awaiting is not None:
             tp, offset = awaiting
             part = self._partitions.get(tp)
-            if part is None or part.applied_to < offset:
-                return False
+            if part is not None and part.applied_to < offset:
+                return _LATER
             del self._awaiting[task_id]
-        return True
+        return _READY
 
     def _forget(self, revoked: list[TopicPartition]) -> None:
         for tp in revoked:
@@ -423,6 +519,8 @@ class JournalFollower:
             if part is None:
                 continue
             self._paused.discard(tp)
+            if tp.topic == self._journal:
+                self._ended.pop(tp.partition, None)
             if tp.topic != self._journal:
                 for item in self._held.pop(tp.partition, ()):
                     self._held_tasks[item.hook.task_id or ""] -= 1
@@ -437,6 +535,8 @@ class JournalFollower:
                         if step.compensation is not None:
                             self.first_attempt.pop(step.compensation.key, None)
                     self._awaiting.pop(task_id, None)
+                    self.sealed.discard(task_id)
+                    self._ended_last.pop(task_id, None)
                     self._dirty.discard(task_id)
                     self._failures.pop(task_id, None)
                     if (handle := self._retries.pop(task_id, None)) is not None:
@@ -467,3 +567,14 @@ async def run_until_cancelled(*coros: Awaitable[None]) -> None:
     async with asyncio.TaskGroup() as group:
         for coro in coros:
             group.create_task(coro)  # type: ignore[arg-type]
+
+
+def settled_for_good(state: TaskState) -> bool:
+    """Over, and nothing about it is open: every step and every undo settled, nobody needs to
+    look. Such a task can be sealed."""
+    if state.status not in (TaskStatus.FINISHED, TaskStatus.REJECTED) or state.needs_attention:
+        return False
+    final = (StepStatus.DONE, StepStatus.NOT_DONE)
+    return all(step.status in final
+               and (step.compensation is None or step.undo.status in final)
+               for step in state.steps.values())

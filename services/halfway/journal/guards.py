@@ -74,6 +74,7 @@ class GuardView:
     async def run(self) -> None:
         """Fold the guards topic until cancelled."""
         while True:
+            await asyncio.sleep(0)  # a prefetched fetch never suspends: let heartbeats run
             batches = await self._consumer.getmany(timeout_ms=FETCH_TIMEOUT_MS,
                                                    max_records=FETCH_RECORDS_MAX)
             for tp, records in batches.items():

@@ -30,6 +30,7 @@ from datetime import UTC, datetime
 from aiokafka.structs import ConsumerRecord
 
 from halfway import log
+from halfway import settings as env
 from halfway.contract import Event, Outcome, SettlementSource, parse_step_id
 from halfway.contract.ids import UNDO_SUFFIX
 from halfway.contract.topics import WEBHOOKS
@@ -75,7 +76,8 @@ class Reconciler(StepWorker):
         group = group or f"{settings.topic_prefix}reconciler"  # one group per deployment
         self.follower = JournalFollower(settings, group=group, writer=writer,
                                         on_change=self._on_change, side=WEBHOOKS,
-                                        app_label=app_label)
+                                        app_label=app_label,
+                                        seal_after_s=env.seal_after_s())
         self._slots = asyncio.Semaphore(LOOKUPS_IN_FLIGHT_MAX)
         self._log = log.get("halfway.reconciler")
 

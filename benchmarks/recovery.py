@@ -1,0 +1,190 @@
+"""Restart → first action, and memory, against the journal's length.
+
+    .venv/bin/python benchmarks/recovery.py [--events 10000,100000,1000000]
+
+For each size: a fresh topic prefix gets a synthetic history of finished tasks (valid events:
+requested, started, a step intended, attempted and settled done, finished: 6 per task) spread
+over the last 30 days, then one live task is requested. A decider is started as its own
+process (`halfway run decider`) and the clock runs until it acts on the live task (its
+`task.started` is in the journal). The figures: seconds from process start to that first
+action, and the decider's RSS then. Figures only; nothing passes or fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from halfway.contract import (
+    DecidedBy,
+    EffectClass,
+    Event,
+    FinalState,
+    Outcome,
+    SettlementSource,
+    StepAttempted,
+    StepIntended,
+    StepSettled,
+    TaskFinished,
+    TaskRequested,
+    TaskStarted,
+    mint_key,
+    step_id,
+)
+from halfway.contract.topics import ALL_TOPICS, JOURNAL, TASKS
+from halfway.journal import ensure_topics
+from halfway.journal.admin import delete_topics
+from halfway.journal.records import decode, record_headers, record_key, record_value
+from halfway.settings import KafkaSettings
+
+EVENTS_PER_TASK = 6
+HISTORY_DAYS = 30
+LOG_DIR = Path(".halfway/bench")  # the decider's log of each run
+WAIT_S = 1800.0  # for one restart, at the largest size
+
+
+def history(task_id: str, at: datetime) -> list[Event]:
+    def stamp(k: int) -> dict:
+        return {"event_id": uuid.uuid4().hex, "task_id": task_id,
+                "at": at + timedelta(milliseconds=k)}
+
+    sid = step_id(task_id, 1)
+    args = {"invoice": f"INV-{task_id}", "customer": "cus_1", "amount_cents": 4900,
+            "currency": "usd"}
+    script = {"script": [{"tool": "charge_customer", "args": args}]}
+    return [
+        TaskRequested(**stamp(0), input=script, allowed_tools=["charge_customer"]),
+        TaskStarted(**stamp(1), input=script, allowed_tools=["charge_customer"]),
+        StepIntended(**stamp(2), step_id=sid, n=1, tool="charge_customer", args=args,
+                     key=mint_key(sid), subject=f"invoice:{args['invoice']}",
+                     effect_class=EffectClass.KEYED, decided_by=DecidedBy(model="bench")),
+        StepAttempted(**stamp(3), step_id=sid, attempt=1, key=mint_key(sid),
+                      started_at=at),
+        StepSettled(**stamp(4), step_id=sid, outcome=Outcome.DONE, attempt=1,
+                    source=SettlementSource.CALL, evidence={"charge_id": f"ch_{task_id}"}),
+        TaskFinished(**stamp(5), state=FinalState.SUCCEEDED, summary="renewed"),
+    ]
+
+
+async def fill(settings: KafkaSettings, events: int) -> None:
+    """Write `events` journal events (finished tasks) as fast as the producer batches them."""
+    producer = AIOKafkaProducer(bootstrap_servers=settings.bootstrap, acks=1,
+                                linger_ms=20, max_batch_size=512 * 1024,
+                                compression_type="gzip")
+    await producer.start()
+    journal = JOURNAL.name(settings.topic_prefix)
+    tasks = events // EVENTS_PER_TASK
+    # The history spans HISTORY_DAYS, oldest first, as a deployment's journal would: the
+    # services keep only what ended within the seal window (a day by default) whole.
+    first = datetime.now(UTC) - timedelta(days=HISTORY_DAYS)
+    step = timedelta(days=HISTORY_DAYS) / max(1, tasks)
+    try:
+        pending = []
+        for i in range(tasks):
+            for event in history(f"old-{i}", first + i * step):
+                pending.append(await producer.send(
+                    journal, value=record_value(event), key=record_key(event),
+                    headers=record_headers(event)))
+            if len(pending) >= 20_000:
+                await asyncio.gather(*pending)
+                pending.clear()
+        await asyncio.gather(*pending)
+    finally:
+        await producer.stop()
+
+
+async def first_action(settings: KafkaSettings, probe: str, ready: asyncio.Event) -> float:
+    """The monotonic time at which `task.started` for `probe` was read from the journal
+    (`ready` is set once the watcher sits at the journal's end)."""
+    consumer = AIOKafkaConsumer(JOURNAL.name(settings.topic_prefix),
+                                bootstrap_servers=settings.bootstrap,
+                                auto_offset_reset="latest", group_id=None)
+    await consumer.start()
+    try:
+        for tp in consumer.assignment():
+            await consumer.position(tp)
+        ready.set()
+        async with asyncio.timeout(WAIT_S):
+            while True:
+                batches = await consumer.getmany(timeout_ms=200)
+                for records in batches.values():
+                    for record in records:
+                        try:
+                            event = decode(record)
+                        except Exception:
+                            continue
+                        if isinstance(event, TaskStarted) and event.task_id == probe:
+                            return time.monotonic()
+    finally:
+        await consumer.stop()
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def one(base: KafkaSettings, events: int) -> tuple[float, float, float]:
+    settings = KafkaSettings(bootstrap=base.bootstrap,
+                             topic_prefix=f"recovery-{uuid.uuid4().hex[:8]}.",
+                             replication_factor=base.replication_factor)
+    await ensure_topics(settings, ALL_TOPICS)
+    try:
+        started = time.monotonic()
+        await fill(settings, events)
+        fill_s = time.monotonic() - started
+        probe = f"probe-{uuid.uuid4().hex[:8]}"
+        request = history(probe, datetime.now(UTC))[0]
+        producer = AIOKafkaProducer(bootstrap_servers=settings.bootstrap)
+        await producer.start()
+        await producer.send_and_wait(TASKS.name(settings.topic_prefix),
+                                     value=record_value(request), key=record_key(request),
+                                     headers=record_headers(request))
+        await producer.stop()
+        env = dict(os.environ) | {"HALFWAY_TOPIC_PREFIX": settings.topic_prefix,
+                                  "HALFWAY_LOG_FORMAT": "json"}
+        ready = asyncio.Event()
+        watcher = asyncio.create_task(first_action(settings, probe, ready))
+        await ready.wait()  # the watcher sits at the journal's end before the decider writes
+        log_path = LOG_DIR / f"decider-{events}.log"
+        with log_path.open("wb") as log_file:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "halfway.cli", "run", "decider", env=env,
+                stdout=asyncio.subprocess.DEVNULL, stderr=log_file)
+        since = time.monotonic()
+        try:
+            seconds = await watcher - since
+            rss = rss_mib(proc.pid)
+        finally:
+            proc.terminate()
+            await proc.wait()
+        return seconds, rss, fill_s
+    finally:
+        await delete_topics(settings, ALL_TOPICS)
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--events", default="10000,100000,1000000")
+    args = parser.parse_args()
+    base = KafkaSettings.from_env()
+    print(f"{'journal events':>15} {'restart → first action':>24} {'decider RSS':>12}"
+          f" {'(fill)':>8}")
+    for events in (int(n) for n in args.events.split(",")):
+        seconds, rss, fill_s = await one(base, events)
+        print(f"{events:>15,} {seconds:>22.2f} s {rss:>8.0f} MiB {fill_s:>7.1f}s", flush=True)
+
+
+if __name__ == "__main__":
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    asyncio.run(main())

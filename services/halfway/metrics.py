@@ -1,0 +1,121 @@
+"""Prometheus metrics of every service, served at `/metrics` (prometheus-client).
+
+Set HALFWAY_METRICS_PORT (or `halfway run SERVICE --metrics-port N`) to serve them; `0` picks a
+free port, which the service logs ("metrics listening"). Unset: nothing is served (several
+services on one machine would otherwise fight over one default port).
+
+What an operator reads here, per consumer group (`group` label: one per service kind and
+deployment):
+- `halfway_events_applied_total{group,topic}`: records folded (a restart's replay counts too:
+  its slope is the catch-up speed);
+- `halfway_consumer_lag{group,topic,partition}`: records between the group's position and the
+  partition's end, and `halfway_partition_caught_up{...}` (0 while a replay runs);
+- `halfway_tasks_in_memory{group}`: task states the process holds;
+- `halfway_steps_by_status{group,status}`, `halfway_oldest_unknown_step_seconds{group}`:
+  computed from the states at scrape time (a scrape costs O(tasks held), nothing else does);
+- `halfway_steps_settled_total{group,outcome,source}`: settlements folded;
+- `halfway_model_question_seconds{result}`, `halfway_tool_call_seconds{tool,result}`: latency
+  of each model question and each provider call, as histograms.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+from prometheus_client import REGISTRY, Histogram, start_http_server
+from prometheus_client import Counter as PromCounter
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from halfway import log
+from halfway.core.fold import StepStatus
+
+METRICS_PORT_ENV = "HALFWAY_METRICS_PORT"
+METRICS_HOST_ENV = "HALFWAY_METRICS_HOST"
+
+EVENTS_APPLIED = PromCounter("halfway_events_applied", "Records folded, by group and topic",
+                             ["group", "topic"])
+STEPS_SETTLED = PromCounter("halfway_steps_settled", "Step settlements folded",
+                            ["group", "outcome", "source"])
+MODEL_QUESTIONS = Histogram("halfway_model_question_seconds", "One model question, end to end",
+                            ["result"], buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
+                                                 120))
+TOOL_CALLS = Histogram("halfway_tool_call_seconds", "One provider call (an attempt)",
+                       ["tool", "result"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                                                    1, 2.5, 5, 10, 30))
+
+
+class _FollowersCollector(Collector):
+    """Gauges read from every live follower of this process when Prometheus scrapes."""
+
+    def __init__(self) -> None:
+        self.followers: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        # A follower here has `group`, `states` and `partition_lags()` (JournalFollower).
+        lag = GaugeMetricFamily("halfway_consumer_lag", "Records behind the partition's end",
+                                labels=["group", "topic", "partition"])
+        caught_up = GaugeMetricFamily("halfway_partition_caught_up",
+                                      "1 once the partition's replay reached its end",
+                                      labels=["group", "topic", "partition"])
+        tasks = GaugeMetricFamily("halfway_tasks_in_memory", "Task states held",
+                                  labels=["group"])
+        steps = GaugeMetricFamily("halfway_steps_by_status", "Steps of the tasks held",
+                                  labels=["group", "status"])
+        oldest = GaugeMetricFamily("halfway_oldest_unknown_step_seconds",
+                                   "Age of the oldest step that is unknown", labels=["group"])
+        now = datetime.now(UTC)
+        for follower in list(self.followers):
+            group = follower.group
+            for topic, partition, behind, done in follower.partition_lags():
+                lag.add_metric([group, topic, str(partition)], behind)
+                caught_up.add_metric([group, topic, str(partition)], 1 if done else 0)
+            states = list(follower.states.values())
+            tasks.add_metric([group], len(states))
+            counts: Counter[str] = Counter()
+            oldest_s = 0.0
+            for state in states:
+                for step in state.steps.values():
+                    counts[str(step.status)] += 1
+                    if step.status is StepStatus.UNKNOWN:
+                        oldest_s = max(oldest_s, (now - step.intent.at).total_seconds())
+            for status in StepStatus:
+                steps.add_metric([group, str(status)], counts[str(status)])
+            oldest.add_metric([group], oldest_s)
+        yield from (lag, caught_up, tasks, steps, oldest)
+
+
+_COLLECTOR = _FollowersCollector()
+REGISTRY.register(_COLLECTOR)
+
+
+def watch(follower: Any) -> None:
+    """Report this follower's gauges while it lives."""
+    _COLLECTOR.followers.add(follower)
+
+
+def timed(histogram: Histogram, **labels: str) -> Callable[[str, float], None]:
+    """A recorder: `record(result, seconds)` with the fixed labels."""
+    def record(result: str, seconds: float) -> None:
+        histogram.labels(**labels, result=result).observe(seconds)
+    return record
+
+
+def serve_from_env(port: int | None = None) -> int | None:
+    """Serve /metrics on `port` (or HALFWAY_METRICS_PORT); None: not configured. Returns the
+    port it listens on (0 picks a free one)."""
+    if port is None:
+        raw = os.environ.get(METRICS_PORT_ENV, "").strip()
+        if not raw:
+            return None
+        port = int(raw)
+    host = os.environ.get(METRICS_HOST_ENV, "127.0.0.1")
+    server, _thread = start_http_server(port, addr=host)
+    bound = server.server_address[1]
+    log.get("halfway.metrics").info("metrics listening", url=f"http://{host}:{bound}/metrics")
+    return bound

@@ -1,0 +1,91 @@
+"""`/metrics` of the services, scraped as Prometheus would, after a task went through them."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from halfway.contract import FinalState
+from halfway.settings import KafkaSettings
+
+pytest.register_assert_rewrite("tests.processes")
+
+from tests.processes import CLUSTER_KEY, Cluster, cluster, renewal_request  # noqa: E402
+
+pytest_plugins = ["tests.processes"]
+pytestmark = pytest.mark.broker
+
+WAIT_S = 60.0
+
+
+@pytest.fixture
+async def core(kafka_settings: KafkaSettings, tmp_path: Path,
+               request: pytest.FixtureRequest) -> AsyncIterator[Cluster]:
+    async with cluster(kafka_settings, tmp_path, charge_timeout_s=1.0) as c:
+        request.node.stash[CLUSTER_KEY] = c
+        yield c
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Every sample by name, once the endpoint answers (the process may still be starting)."""
+    async with httpx.AsyncClient(timeout=5.0) as client, asyncio.timeout(WAIT_S):
+        while True:
+            try:
+                response = await client.get(f"http://127.0.0.1:{port}/metrics")
+                break
+            except httpx.ConnectError:
+                await asyncio.sleep(0.1)
+    assert response.status_code == 200
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return out
+
+
+def total(samples: dict, name: str, **labels: str) -> float:
+    return sum(value for got, value in samples.get(name, [])
+               if all(got.get(k) == v for k, v in labels.items()))
+
+
+async def test_each_service_serves_its_metrics(core: Cluster) -> None:
+    ports = {name: free_port() for name in ("decider", "executor", "reconciler")}
+    for name, port in ports.items():
+        await core.start(name, "--metrics-port", str(port))
+    task_id = f"metrics-{uuid.uuid4().hex[:8]}"
+    await core.publish(renewal_request(task_id, reask=False))
+    state = (await core.journal.until_finished([task_id]))[task_id]
+    assert state.final_state is FinalState.SUCCEEDED
+
+    decider = await scrape(ports["decider"])
+    group = f"{core.settings.topic_prefix}decider"
+    assert total(decider, "halfway_events_applied_total", group=group) >= 5
+    assert total(decider, "halfway_model_question_seconds_count", result="answered") >= 2
+    assert total(decider, "halfway_tasks_in_memory", group=group) >= 1
+    caught_up = [v for labels, v in decider["halfway_partition_caught_up"]
+                 if labels["group"] == group]
+    assert caught_up
+    assert all(v == 1 for v in caught_up)
+    assert "halfway_consumer_lag" in decider
+
+    executor = await scrape(ports["executor"])
+    assert total(executor, "halfway_tool_call_seconds_count", tool="charge_customer",
+                 result="Succeeded") == 1
+    assert total(executor, "halfway_steps_settled_total", outcome="done") >= 1
+    assert total(executor, "halfway_steps_by_status", status="done") >= 1
+
+    reconciler = await scrape(ports["reconciler"])
+    assert total(reconciler, "halfway_tasks_in_memory") >= 1

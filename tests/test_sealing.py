@@ -1,0 +1,136 @@
+"""Sealing: a follower keeps only the end of a task that is over for good, by the journal's clock.
+
+Driven through the follower's fold path (`_apply`) on one partition, without a broker: what is
+sealed depends only on the records and their order, so two followers fed the same log hold the
+same states, and every task that is not sealed holds exactly the fold of its events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from aiokafka import TopicPartition
+
+from halfway.contract import Event, FinalState, Outcome, SettlementSource
+from halfway.core.decide import Idle, decide
+from halfway.core.fold import TaskStatus, fold
+from halfway.journal.follower import JournalFollower, _Partition
+from halfway.journal.writer import JournalWriter
+from halfway.settings import KafkaSettings
+from tests.factories import Stamper
+
+SETTINGS = KafkaSettings(bootstrap="127.0.0.1:1", topic_prefix="seal.", replication_factor=1)
+TP = TopicPartition("seal.journal", 0)
+DAY = timedelta(days=1)
+NOW = datetime(2026, 12, 3, 12, 0, tzinfo=UTC)
+
+
+MADE: list[tuple[JournalFollower, JournalWriter]] = []
+
+
+def follower() -> JournalFollower:
+    """A follower that is never started: records are handed to its fold path directly."""
+    async def nothing(_tasks: set[str]) -> None:
+        return None
+
+    writer = JournalWriter(SETTINGS)
+    f = JournalFollower(SETTINGS, group="seal.executor", writer=writer, on_change=nothing,
+                        seal_after_s=DAY.total_seconds())
+    f._partitions[TP] = _Partition(end_at_assign=0)
+    MADE.append((f, writer))
+    return f
+
+
+@pytest.fixture(autouse=True)
+async def _close_clients() -> AsyncIterator[None]:
+    yield
+    while MADE:
+        f, writer = MADE.pop()
+        await f.stop()
+        await writer.stop()
+
+
+def done_task(task_id: str, at: datetime) -> list[Event]:
+    s = Stamper(task_id, now=at)
+    return [s.started(), s.intended(1), s.attempted(1, 1),
+            s.settled(1, Outcome.DONE, attempt=1, evidence={"charge_id": f"ch_{task_id}"}),
+            s.finished(FinalState.SUCCEEDED)]
+
+
+def history() -> list[Event]:
+    old = NOW - 2 * DAY
+    unknown = Stamper("open-1", now=old)
+    stuck = [unknown.started(), unknown.intended(1), unknown.attempted(1, 1),
+             unknown.settled(1, Outcome.UNKNOWN, attempt=1),
+             unknown.finished(FinalState.NEEDS_ATTENTION)]
+    running = Stamper("running-1", now=old)
+    return [*done_task("old-1", old), *stuck, *done_task("old-2", old + timedelta(hours=1)),
+            running.started(), running.intended(1),
+            *done_task("recent-1", NOW - timedelta(hours=1)),
+            *done_task("today-1", NOW)]  # its records move the journal's clock to NOW
+
+
+def feed(f: JournalFollower, events: list[Event]) -> None:
+    for offset, event in enumerate(events):
+        f._apply(event, TP, offset)
+
+
+async def test_tasks_over_for_good_are_sealed_and_the_rest_kept_whole() -> None:
+    events = history()
+    f = follower()
+    feed(f, events)
+
+    assert f.sealed == {"old-1", "old-2"}
+    sealed = f.states["old-1"]
+    assert sealed.status is TaskStatus.FINISHED
+    assert sealed.finished is not None
+    assert sealed.steps == {}
+    assert sealed.started is None
+    for task_id in ("open-1", "running-1", "recent-1", "today-1"):
+        mine = [e for e in events if e.task_id == task_id]
+        assert f.states[task_id] == fold(mine), task_id  # exactly the fold of its events
+    # A sealed task is over: a second request for it starts nothing.
+    assert decide(f.states["old-1"], known_tools={"charge_customer"}, requested=True,
+                  now=NOW) == Idle()
+    assert f.first_attempt.get("old-1:1") is None  # nothing of its steps is kept
+
+
+async def test_late_news_of_a_sealed_task_is_not_folded() -> None:
+    f = follower()
+    feed(f, history())
+    before = f.states["old-1"]
+    late = Stamper("old-1", now=NOW).settled(1, Outcome.DONE, source=SettlementSource.WEBHOOK,
+                                             evidence={"charge_id": "ch_other"})
+    f._apply(late, TP, 1000)
+    assert f.states["old-1"] is before
+
+
+async def test_two_followers_fed_the_same_log_hold_the_same_states() -> None:
+    events = history()
+    first, second = follower(), follower()
+    feed(first, events)
+    feed(second, events)
+    assert first.sealed == second.sealed
+    assert first.states == second.states
+
+
+async def test_a_task_with_news_since_it_ended_waits_a_full_grace_again() -> None:
+    old = NOW - 2 * DAY
+    s = Stamper("undone-1", now=old)
+    events = [s.started(), s.intended(1), s.attempted(1, 1),
+              s.settled(1, Outcome.UNKNOWN, attempt=1), s.finished(FinalState.NEEDS_ATTENTION)]
+    f = follower()
+    feed(f, events)
+    # An operator settles it half a day before NOW: it is over for good from then on.
+    resolve = Stamper("undone-1", now=NOW - DAY / 2).settled(
+        1, Outcome.DONE, source=SettlementSource.OPERATOR, evidence={"charge_id": "ch_1"})
+    f._apply(resolve, TP, len(events))
+    feed_more = done_task("tick-1", NOW)
+    for i, event in enumerate(feed_more):
+        f._apply(event, TP, 100 + i)
+    assert "undone-1" not in f.sealed  # only half a day since its last news
+    for i, event in enumerate(done_task("tick-2", NOW + DAY)):
+        f._apply(event, TP, 200 + i)
+    assert "undone-1" in f.sealed
