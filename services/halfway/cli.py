@@ -66,7 +66,14 @@ class Demo(StrEnum):
 
 @app.command()
 def demo(name: Annotated[Demo, typer.Argument()] = Demo.RENEWAL,
-         as_json: Annotated[bool, typer.Option("--json", help="one JSON object")] = False) -> None:
+         as_json: Annotated[bool, typer.Option("--json", help="one JSON object")] = False,
+         email: Annotated[str, typer.Option(
+             help="trip: send the itinerary by http (the travel simulator) or smtp (an SMTP "
+                  "relay simulator, through aiosmtplib)")] = "http",
+         stripe: Annotated[bool, typer.Option(
+             "--stripe", help="renewal: charge through the official stripe client (paysim "
+                              "speaks Stripe's PaymentIntents)")] = False,
+         ) -> None:
     """Run a demo against the real broker: the renewal (default), the trip saga, or the
     journal tour."""
     log.configure(level="WARNING")
@@ -74,7 +81,10 @@ def demo(name: Annotated[Demo, typer.Argument()] = Demo.RENEWAL,
     if name is Demo.TRIP:
         from halfway.demo import trip
 
-        result = asyncio.run(trip.run(settings))
+        if email not in ("http", "smtp"):
+            typer.echo("halfway: --email is http or smtp", err=True)
+            raise typer.Exit(2)
+        result = asyncio.run(trip.run(settings, email=email))  # type: ignore[arg-type]
         typer.echo(json.dumps(trip.as_json(result), default=str) if as_json
                    else trip.as_text(result))
         ok = trip.verdict_ok(result)
@@ -88,7 +98,7 @@ def demo(name: Annotated[Demo, typer.Argument()] = Demo.RENEWAL,
     else:
         from halfway.demo import renewal
 
-        ours, naive = asyncio.run(renewal.run(settings))
+        ours, naive = asyncio.run(renewal.run(settings, stripe=stripe))
         typer.echo(json.dumps(renewal.as_json(ours, naive), default=str) if as_json
                    else renewal.as_text(ours, naive))
         ok = renewal.verdict_ok(ours)
@@ -138,10 +148,18 @@ def _load_model(ref: str | None, app_: Any) -> Any:
 
 @app.command()
 def run(service: Annotated[Runnable, typer.Argument(help="which service")],
-        app_ref: AppOption = None, model: ModelOption = None) -> None:
+        app_ref: AppOption = None, model: ModelOption = None,
+        metrics_port: Annotated[int | None, typer.Option(
+            "--metrics-port", envvar="HALFWAY_METRICS_PORT", show_envvar=True,
+            help="serve Prometheus metrics at /metrics on this port (0: a free one)")] = None,
+        ) -> None:
     """Run a service until SIGTERM: decider, executor, reconciler, outcomes (the user-facing
     topic), projector (the PostgreSQL read model), gateway (webhooks in), api (HTTP + web page)."""
     log.configure()
+    if metrics_port is not None:
+        from halfway import metrics
+
+        metrics.serve_from_env(metrics_port)
     if service in (Runnable.DECIDER, Runnable.EXECUTOR, Runnable.RECONCILER):
         loaded = _load_app(app_ref)  # a wrong --app fails here, with its reason, not later
         if service is Runnable.DECIDER:

@@ -5,10 +5,10 @@ not what it means); `classify` decides the outcome. The rule is one sentence: **
 proof**. There are exactly three proofs:
 
 - the provider answered and refused: a 4xx other than 408 (timeout), 409 (conflict, e.g. the
-  same key still in flight), 425 (too early) and 429 (rate limited: Stripe's limiter runs before
-  its idempotency layer, so it says nothing about an earlier request). Within a key's lifetime a
-  keyed provider replays the saved result of an earlier attempt, so a refusal of a retry with the
-  same key speaks for every attempt;
+  same key still in flight), 424 (failed dependency), 425 (too early) and 429 (rate limited:
+  Stripe's limiter runs before its idempotency layer, so it says nothing about an earlier
+  request). Within a key's lifetime a keyed provider replays the saved result of an earlier
+  attempt, so a refusal of a retry with the same key speaks for every attempt;
 - an app tool raised `Refused("why")`: its author states the effect did not happen;
 - the request provably never left (connection refused, name not resolved, connect timeout), and
   this is the step's first attempt. On a later attempt it proves nothing about the earlier ones.
@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from halfway.contract.events import Outcome
 
 # 4xx statuses that do not prove a refusal.
-AMBIGUOUS_4XX = frozenset({408, 409, 425, 429})
+# 424 (Failed Dependency: Stripe's answer when a request it depends on failed) says nothing
+# about whether this one took effect either.
+AMBIGUOUS_4XX = frozenset({408, 409, 424, 425, 429})
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +112,8 @@ def classify(failure: CallFailure, *, attempt: int = 1) -> Verdict:
                            + (f" {detail}" if detail else ""))
         case Replied(status=status, code=code, replayed=replayed):
             what = {408: "request timeout", 409: "conflict (the same key may still be in flight)",
-                    425: "too early", 429: "rate limited"}.get(status) or _family(status)
+                    424: "failed dependency", 425: "too early",
+                    429: "rate limited"}.get(status) or _family(status)
             again = "; the provider replayed this saved answer" if replayed else ""
             return Verdict(Outcome.UNKNOWN, f"HTTP {status} {what}"
                            + (f" ({code})" if code else "") + again + "; it may have happened")

@@ -9,6 +9,12 @@ both harnesses wait 5 s.
   replays its saved result) and settles the step `done` with the charge id. One charge.
 - naive: the same call without a key, the timeout treated as an ordinary error, and the model
   allowed to retry. Two charges.
+
+`run(settings, stripe=True)` runs the same renewal through Stripe's official client library
+against the same simulator: halfway's `charge_customer` is then `halfway.tools.stripe_payments`
+(a PaymentIntent created and confirmed in one request, the library's retries off, our key as
+its Idempotency-Key), and the naive harness calls `payment_intents.create` as a naive agent
+would, letting the library mint a fresh random key for each call. Still one charge against two.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ CLIENT_TIMEOUT_S = 5.0
 TASK_TIMEOUT_S = 120.0
 READ_MODEL_TIMEOUT_S = 60.0
 SIM_START_TIMEOUT_S = 30.0
+PAYSIM_API_KEY = "sk_test_paysim"  # paysim accepts any key; the stripe client needs one
+STRIPE_CLIENT = "stripe (official client), POST /v1/payment_intents confirm=true"
 
 
 @dataclass
@@ -54,6 +62,7 @@ class Harness:
     lines: list[str] = field(default_factory=list)
     steps: list[dict[str, Any]] = field(default_factory=list)
     final: str = ""
+    client: str = "httpx, POST /v1/charges"  # how the harness spoke to the provider
     status_table: str = ""  # what `halfway status` shows, from the PostgreSQL read model
     read_model_state: str = ""
 
@@ -108,10 +117,26 @@ async def ledger(url: str) -> list[dict[str, Any]]:
     return (await provider(url, "GET", "/_sim/ledger"))["charges"]
 
 
-async def run_halfway(settings: KafkaSettings, url: str, out: Harness) -> None:
+def stripe_registry(url: str) -> Registry:
+    """charge_customer on Stripe's official client, pointed at the simulator."""
+    from halfway.app import App
+    from halfway.tools.stripe_payments import stripe_tools
+
+    app = App(name="renewal-stripe")
+    stripe_tools(app, api_key=PAYSIM_API_KEY, api_base=url, timeout_s=CLIENT_TIMEOUT_S,
+                 refunds=False)
+    return app.registry()
+
+
+async def run_halfway(settings: KafkaSettings, url: str, out: Harness, *,
+                      stripe: bool = False) -> None:
     await slow_first_charge(url)
-    registry = Registry([Tool(charge_customer_spec(timeout_s=CLIENT_TIMEOUT_S),
-                              PaymentsAdapter(url))])
+    if stripe:
+        registry = stripe_registry(url)
+        out.client = STRIPE_CLIENT
+    else:
+        registry = Registry([Tool(charge_customer_spec(timeout_s=CLIENT_TIMEOUT_S),
+                                  PaymentsAdapter(url))])
     services = [asyncio.create_task(run_service(s, settings, registry, ScriptedModel()))
                 for s in (Service.DECIDER, Service.EXECUTOR, Service.RECONCILER)]
     # The read model too, so the demo ends with what an operator sees in `halfway status`.
@@ -206,22 +231,64 @@ async def run_naive(url: str, out: Harness) -> None:
             except httpx.HTTPError as exc:
                 out.lines.append(f"{time.monotonic() - started:5.1f} s  attempt {attempt}: "
                                  f"error ({type(exc).__name__}); the model retries")
-    # The first charge lands at 6.2 s whether or not anyone is still listening.
+    out.charges = len(await _naive_charges(url, started))
+    out.final = "reported success"
+
+
+async def run_naive_stripe(url: str, out: Harness) -> None:
+    """The naive agent on the official client: its retries off, as ours, but no key of its
+    own, so the library mints a fresh random one for every call the model retries."""
+    import stripe as stripe_lib
+
+    from halfway.tools.stripe_payments import StripeConnection
+
+    await slow_first_charge(url)
+    out.client = STRIPE_CLIENT
+    started = time.monotonic()
+    connection = StripeConnection(api_key=PAYSIM_API_KEY, api_base=url,
+                                  timeout_s=CLIENT_TIMEOUT_S)
+    params: dict[str, Any] = {"amount": 4900, "currency": "usd", "customer": "cus_naive",
+                              "confirm": True, "metadata": {"invoice": "INV-2291"}}
+    try:
+        for attempt in (1, 2, 3):
+            try:
+                # The library's own timeout (CLIENT_TIMEOUT_S) ends a slow call.
+                intent = await connection.client().v1.payment_intents.create_async(params)
+                out.lines.append(f"{time.monotonic() - started:5.1f} s  attempt {attempt}: "
+                                 f"paid {intent.id}; the model reports success")
+                break
+            except stripe_lib.StripeError as exc:
+                out.lines.append(f"{time.monotonic() - started:5.1f} s  attempt {attempt}: "
+                                 f"error ({type(exc).__name__}); the model retries")
+    finally:
+        await connection.aclose()
+    out.charges = len(await _naive_charges(url, started))
+    out.final = "reported success"
+
+
+async def _naive_charges(url: str, started: float) -> list[dict[str, Any]]:
+    """The naive customer's charges, once the slow first one has landed (at 6.2 s, whether or
+    not anyone is still listening)."""
+    charges: list[dict[str, Any]] = []
     for _ in range(100):
         charges = [c for c in await ledger(url) if c.get("customer") == "cus_naive"]
         if len(charges) >= 2 or time.monotonic() - started > PROVIDER_DELAY_S + 2:
             break
         await asyncio.sleep(0.1)
-    out.charges = len(charges)
-    out.final = "reported success"
+    return charges
 
 
-async def run(settings: KafkaSettings) -> tuple[Harness, Harness]:
+async def run(settings: KafkaSettings, *, stripe: bool = False) -> tuple[Harness, Harness]:
+    """Both harnesses, one after the other, against one simulator; `stripe`: both through
+    Stripe's official client (PaymentIntents) instead of plain HTTP charges."""
     await ensure_topics(settings)
     ours, naive = Harness("halfway"), Harness("naive")
     async with simulator() as url:
-        await run_halfway(settings, url, ours)
-        await run_naive(url, naive)
+        await run_halfway(settings, url, ours, stripe=stripe)
+        if stripe:
+            await run_naive_stripe(url, naive)
+        else:
+            await run_naive(url, naive)
     return ours, naive
 
 
@@ -233,7 +300,8 @@ def as_json(ours: Harness, naive: Harness) -> dict[str, Any]:
 
 def as_text(ours: Harness, naive: Harness) -> str:
     out = ["The renewal: charge $49.00 for invoice INV-2291. The provider takes "
-           f"{PROVIDER_DELAY_S} s; both harnesses wait {CLIENT_TIMEOUT_S:g} s.", "",
+           f"{PROVIDER_DELAY_S} s; both harnesses wait {CLIENT_TIMEOUT_S:g} s.",
+           f"Both speak to it through {ours.client}.", "",
            "halfway (journal + key + lookup):"]
     out += [f"  {line}" for line in ours.lines]
     out += ["", "naive (timeout = error, the model retries):"]

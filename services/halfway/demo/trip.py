@@ -12,20 +12,25 @@ itinerary (retriable, after the pivot). Each undo is declared with its step, bef
   task ends `compensated`.
 
 The providers are simulators in their own processes (tripsim for flights, hotels and email;
-paysim for the card); their ledgers are the ground truth the demo prints at the end.
+paysim for the card); their ledgers are the ground truth the demo prints at the end. With
+`email="smtp"` the itinerary goes over SMTP instead (`halfway.tools.email_smtp`, the real
+aiosmtplib client) to smtpsim, a relay of its own process, whose ledger lists the message.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from halfway import settings as env
 from halfway.api.status import status_table
-from halfway.contract import OnUnknown, TaskPolicy, TaskRequested
+from halfway.contract import OnUnknown, SagaRole, TaskPolicy, TaskRequested
 from halfway.contract.topics import JOURNAL, TASKS
 from halfway.core.fold import TaskState, apply
 from halfway.demo.renewal import _read_model_task, provider, simulator
@@ -35,14 +40,17 @@ from halfway.projector.service import Projector
 from halfway.render import step_line, undo_line
 from halfway.serve import Service, run_service
 from halfway.settings import KafkaSettings
+from halfway.tools.email_smtp import SmtpRelay, key_from_message_id, smtp_email_tool
 from halfway.tools.payments import PaymentsAdapter, charge_customer_spec
 from halfway.tools.registry import Registry, Tool
-from halfway.tools.travel import travel_tools
+from halfway.tools.travel import SEND_EMAIL, travel_tools
 
 TOOLS = ["hold_flight", "book_hotel", "charge_customer", "send_email"]
 FULL_HOTEL = "HTL-FULL"  # tripsim refuses it: no availability
 TASK_TIMEOUT_S = 120.0
 CALL_TIMEOUT_S = 5.0
+SMTP_SENDER = "trips@halfway.example"  # the From of the itinerary over SMTP
+Email = Literal["http", "smtp"]  # tripsim's HTTP email API, or SMTP to smtpsim
 
 
 def trip_request(task_id: str, *, passenger: str = "Ada Lovelace", hotel: str = "HTL-ROMA-7",
@@ -77,6 +85,7 @@ class Result:
     trips: list[Trip]
     ledger: dict[str, Any]
     charges: list[dict[str, Any]]
+    email: Email = "http"
 
     def effects_of(self, task_id: str) -> dict[str, list[str]]:
         """What the providers did for one trip, by kind: ids with their final status."""
@@ -91,14 +100,22 @@ class Result:
         return out
 
 
-async def run(settings: KafkaSettings) -> Result:
+async def run(settings: KafkaSettings, *, email: Email = "http") -> Result:
+    """Both trips. `email`: "http" sends the itinerary with tripsim's email API; "smtp" sends
+    it over SMTP to smtpsim (its messages stand in the ledger's `emails`)."""
+    if email not in ("http", "smtp"):
+        raise ValueError(f"email must be 'http' or 'smtp', not {email!r}")
     await ensure_topics(settings)
     suffix = uuid.uuid4().hex[:6]
     trips = [Trip(f"trip-ok-{suffix}"), Trip(f"trip-full-{suffix}")]
-    async with simulator() as paysim, simulator("halfway.simulators.travel") as tripsim:
-        registry = Registry([
-            Tool(charge_customer_spec(timeout_s=CALL_TIMEOUT_S), PaymentsAdapter(paysim)),
-            *(Tool(s, a) for s, a in travel_tools(tripsim, timeout_s=CALL_TIMEOUT_S))])
+    async with (simulator() as paysim, simulator("halfway.simulators.travel") as tripsim,
+                _smtpsim(email == "smtp") as smtpsim):
+        tools = [Tool(charge_customer_spec(timeout_s=CALL_TIMEOUT_S), PaymentsAdapter(paysim)),
+                 *(Tool(s, a) for s, a in travel_tools(tripsim, timeout_s=CALL_TIMEOUT_S)
+                   if smtpsim is None or s.name != SEND_EMAIL)]
+        if smtpsim is not None:
+            tools.append(Tool(*smtp_email_tool(_relay(smtpsim), saga_role=SagaRole.RETRIABLE)))
+        registry = Registry(tools)
         services = [asyncio.create_task(run_service(s, settings, registry, ScriptedModel()))
                     for s in (Service.DECIDER, Service.EXECUTOR, Service.RECONCILER)]
         projector = Projector(settings, env.pg_dsn(), schema=env.pg_schema())
@@ -114,13 +131,47 @@ async def run(settings: KafkaSettings) -> Result:
                 found = await _read_model_task(settings, trip.task_id)
                 trip.status_table = status_table(found, now=datetime.now(UTC))
             ledger = await provider(tripsim, "GET", "/_sim/ledger")
+            if smtpsim is not None:
+                messages = (await provider(smtpsim[1], "GET", "/messages"))["data"]
+                ledger["emails"] = [_smtp_email(m) for m in messages]
             charges = (await provider(paysim, "GET", "/_sim/ledger"))["charges"]
         finally:
             for service in services:
                 service.cancel()
             await asyncio.gather(*services, return_exceptions=True)
             await registry.aclose()
-    return Result(trips, ledger, charges)
+    return Result(trips, ledger, charges, email)
+
+
+@contextlib.asynccontextmanager
+async def _smtpsim(wanted: bool) -> AsyncIterator[tuple[str, str] | None]:
+    """smtpsim as its own process, when wanted: (its smtp:// URL, its http:// URL)."""
+    if not wanted:
+        yield None
+        return
+    async with simulator("halfway.simulators.smtpsim") as where:
+        smtp_url, http_url = where.split()  # "smtp://HOST:PORT http://HOST:PORT"
+        yield smtp_url, http_url
+
+
+def _relay(smtpsim: tuple[str, str]) -> SmtpRelay:
+    smtp = urlsplit(smtpsim[0])
+    if smtp.hostname is None or smtp.port is None:
+        raise RuntimeError(f"smtpsim said it listens on {smtpsim[0]!r}")
+    # smtpsim records a message before its 250, so nothing found past the bound is not done.
+    return SmtpRelay(host=smtp.hostname, port=smtp.port, sender=SMTP_SENDER,
+                     lookup_url=f"{smtpsim[1]}/messages", timeout_s=CALL_TIMEOUT_S,
+                     completes_within_s=CALL_TIMEOUT_S)
+
+
+def _smtp_email(message: dict[str, Any]) -> dict[str, Any]:
+    """A message smtpsim accepted, in the ledger's shape: its queue id, our key."""
+    try:
+        key: str | None = key_from_message_id(str(message.get("message_id") or ""))
+    except ValueError:
+        key = None  # not ours
+    return {"id": message.get("queue_id"), "status": "queued", "idempotency_key": key,
+            "message_id": message.get("message_id"), "to": message.get("rcpt_tos")}
 
 
 async def _follow(settings: KafkaSettings, writer: JournalWriter, trips: list[Trip]) -> None:
@@ -157,6 +208,8 @@ def as_text(result: Result) -> str:
     out = ["The trip saga: hold a flight (undo: release), book a hotel (undo: cancel), charge",
            "the card (the pivot), email the itinerary (after the pivot). Twice: once the hotel",
            f"has a room, once it is full ({FULL_HOTEL}).", ""]
+    if result.email == "smtp":
+        out[-1:-1] = ["The itinerary goes over SMTP (aiosmtplib) to smtpsim, a mail relay."]
     for trip in result.trips:
         out.append(f"{trip.task_id}:")
         out += [f"  {line}" for line in trip.lines]
