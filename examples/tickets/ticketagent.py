@@ -48,6 +48,13 @@ def helpdesk() -> httpx.AsyncClient:
     return _client
 
 
+@app.on_shutdown
+async def close_helpdesk() -> None:
+    """halfway calls this when a service stops: close the shared client cleanly."""
+    if _client is not None:
+        await _client.aclose()
+
+
 def evidence(ticket: dict[str, Any]) -> dict[str, Any]:
     """What the journal keeps of a ticket: enough to name it and show its state."""
     return {"ticket_id": ticket["id"], "ref": ticket["ref"], "status": ticket["status"]}

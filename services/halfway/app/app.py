@@ -32,7 +32,7 @@ import json
 import re
 import string
 import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, create_model
@@ -119,6 +119,7 @@ class App:
         self.model = model
         self._tools: dict[str, FunctionTool | Tool] = {}
         self._registry: Registry | None = None
+        self._closers: list[Callable[[], Awaitable[None]]] = []
 
     def tool(self, fn: Callable[..., Any] | None = None, *, name: str | None = None,
              description: str | None = None, effect: str | EffectClass = EffectClass.UNKEYED,
@@ -146,6 +147,11 @@ class App:
 
         return register(fn) if fn is not None else register
 
+    def on_shutdown(self, fn: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+        """Declare clean-up for when a service stops (close a shared HTTP client, say)."""
+        self._closers.append(fn)
+        return fn
+
     def add(self, spec: ToolSpec, adapter: Adapter) -> None:
         """Add a tool written as an adapter class (`halfway.tools.spec.Adapter`)."""
         self._add(spec.name, Tool(spec, adapter))
@@ -166,7 +172,7 @@ class App:
         if self._registry is None:
             tools = [t if isinstance(t, Tool) else Tool(t.spec(), t.adapter)
                      for t in self._tools.values()]
-            registry = Registry(tools)
+            registry = Registry(tools, closers=self._closers)
             registry.check_undos()
             self._registry = registry
         return self._registry

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from halfway import settings
@@ -16,8 +17,10 @@ class Tool:
 
 
 class Registry:
-    def __init__(self, tools: list[Tool]) -> None:
+    def __init__(self, tools: list[Tool],
+                 closers: list[Callable[[], Awaitable[None]]] | None = None) -> None:
         self._tools = {t.spec.name: t for t in tools}
+        self._closers = list(closers or [])  # the app's own clean-up, run after the adapters
         assert len(self._tools) == len(tools), "tool names must be unique"
         self._infos: list[ToolInfo] | None = None
 
@@ -50,6 +53,8 @@ class Registry:
             close = getattr(tool.adapter, "aclose", None)
             if close is not None:
                 await close()
+        for closer in self._closers:
+            await closer()
 
 
 def builtin_tools() -> list[Tool]:
