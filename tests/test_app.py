@@ -13,8 +13,11 @@ import textwrap
 from pathlib import Path
 from typing import Annotated, Literal
 
+import aiohttp
 import httpx
+import multidict
 import pytest
+import yarl
 from pydantic import Field, ValidationError
 
 from halfway import App, Refused
@@ -122,6 +125,31 @@ async def test_a_connect_error_is_never_reached_on_the_first_attempt_only() -> N
     assert isinstance(result, NotSent)
     assert classify(result, attempt=1).outcome is Outcome.NOT_DONE
     assert classify(await outcome_of(body, attempt=2), attempt=2).outcome is Outcome.UNKNOWN
+
+
+async def test_aiohttp_failures_are_classified_like_httpx_ones() -> None:
+    async def refused(_ctx):
+        async with aiohttp.ClientSession() as session, \
+                session.post("http://127.0.0.1:9/tickets") as response:  # nothing listens
+            return await response.json()
+
+    never = await outcome_of(refused)
+    assert isinstance(never, NotSent)
+    assert classify(never).outcome is Outcome.NOT_DONE
+
+    def answer(status: int):
+        async def body(_ctx):
+            url = yarl.URL("http://provider/tickets")
+            info = aiohttp.RequestInfo(url, "POST", multidict.CIMultiDictProxy(
+                multidict.CIMultiDict()), url)
+            raise aiohttp.ClientResponseError(info, (), status=status,
+                                              message="no such customer")
+        return body
+
+    refusal = await outcome_of(answer(422))
+    assert classify(refusal).outcome is Outcome.NOT_DONE
+    assert "no such customer" in classify(refusal).reason
+    assert classify(await outcome_of(answer(503))).outcome is Outcome.UNKNOWN
 
 
 async def test_a_timeout_is_unknown() -> None:

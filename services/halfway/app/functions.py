@@ -8,7 +8,8 @@ The tool author writes no three-state logic; this module maps what the function 
 - it raised an error that proves the request never left (connection refused, DNS failure, a
   connect timeout, no free pooled connection: httpx, aiohttp, or the OS's own): "never reached"
   (`not_done` on the first attempt, `unknown` after, as for every tool: `halfway.core.classify`);
-- it raised httpx's `HTTPStatusError` (`response.raise_for_status()`): the provider's answer,
+- it raised httpx's `HTTPStatusError` or aiohttp's `ClientResponseError` (their
+  `raise_for_status()`): the provider's answer,
   classified like any reply (a 4xx refusal is `not_done`; 408, 409, 429 and 5xx are `unknown`);
 - it ran past `timeout_s`, or raised anything else: `unknown`, it may have happened.
 
@@ -26,6 +27,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+import aiohttp
 import httpx
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
@@ -62,28 +64,24 @@ class Refused(Exception):
         self.reason = str(reason) or "refused"
 
 
-def _never_sent_errors() -> tuple[type[BaseException], ...]:
-    errors: list[type[BaseException]] = [ConnectionRefusedError, socket.gaierror,
-                                         httpx.ConnectError, httpx.ConnectTimeout,
-                                         httpx.PoolTimeout, httpx.UnsupportedProtocol]
-    try:
-        import aiohttp
-
-        # Includes its DNS failure (ClientConnectorDNSError) and refused connections.
-        errors.append(aiohttp.ClientConnectorError)
-    except ImportError:  # pragma: no cover - aiohttp is a dependency of halfway
-        pass
-    return tuple(errors)
-
-
-NEVER_SENT = _never_sent_errors()
-CONNECTION_LOST = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError,
-                   httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+# aiohttp's connector error includes its DNS failure (ClientConnectorDNSError) and refused
+# connections; its connection-pool wait timing out is ConnectionTimeoutError.
+NEVER_SENT: tuple[type[BaseException], ...] = (
+    ConnectionRefusedError, socket.gaierror, httpx.ConnectError, httpx.ConnectTimeout,
+    httpx.PoolTimeout, httpx.UnsupportedProtocol, aiohttp.ClientConnectorError,
+    aiohttp.ConnectionTimeoutError, aiohttp.InvalidURL)
+CONNECTION_LOST: tuple[type[BaseException], ...] = (
+    ConnectionResetError, BrokenPipeError, ConnectionAbortedError, httpx.RemoteProtocolError,
+    httpx.ReadError, httpx.WriteError, aiohttp.ServerDisconnectedError,
+    aiohttp.ClientPayloadError)
 
 
 def failure_of(exc: BaseException, timeout_s: float) -> CallFailure:
     """What an exception raised by a tool function proves (see the module docstring)."""
-    words = f"{type(exc).__name__}: {exc}"[:ERROR_CHARS_MAX]
+    try:
+        words = f"{type(exc).__name__}: {exc}"[:ERROR_CHARS_MAX]
+    except Exception:  # an exception whose str() fails still has a name
+        words = type(exc).__name__
     if isinstance(exc, Refused):
         return ToolRefused(exc.reason[:ERROR_CHARS_MAX])
     if isinstance(exc, NEVER_SENT):
@@ -100,6 +98,8 @@ def failure_of(exc: BaseException, timeout_s: float) -> CallFailure:
                            message=str(error.get("message") or "")[:ERROR_CHARS_MAX])
         except Exception:
             return Replied(response.status_code, message=response.text[:ERROR_CHARS_MAX])
+    if isinstance(exc, aiohttp.ClientResponseError):  # aiohttp's raise_for_status()
+        return Replied(exc.status, message=str(exc.message)[:ERROR_CHARS_MAX])
     return Unexpected(words)
 
 
@@ -136,9 +136,7 @@ class FunctionAdapter:
         try:
             async with asyncio.timeout(ctx.timeout_s):
                 value = await self._invoke(self.fn, args, ctx, self.takes_ctx)
-        except TimeoutError:
-            return TimedOut(ctx.timeout_s)
-        except Exception as exc:
+        except Exception as exc:  # our timeout included: failure_of says TimedOut
             return failure_of(exc, ctx.timeout_s)
         return Succeeded(evidence=evidence_of(value))
 
