@@ -515,6 +515,16 @@ async def cluster(base: KafkaSettings, workdir: Path, *, charge_timeout_s: float
         await out.close()
 
 
+@pytest.fixture
+async def core(kafka_settings: KafkaSettings, tmp_path: Path,
+               request: pytest.FixtureRequest) -> Any:
+    """A cluster with the defaults (a charge timeout of 1 s) for one test, stashed so its
+    processes' logs go into the failure report."""
+    async with cluster(kafka_settings, tmp_path) as c:
+        request.node.stash[CLUSTER_KEY] = c
+        yield c
+
+
 async def ledger(url: str) -> list[dict[str, Any]]:
     """Every charge the provider made, oldest first."""
     async with httpx.AsyncClient(base_url=url, timeout=HTTP_TIMEOUT_S) as client:

@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import textwrap
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from halfway.contract import FinalState, Outcome, SettlementSource, StepUnserved
 from halfway.render import step_line
-from halfway.settings import KafkaSettings
 
 pytest.register_assert_rewrite("tests.processes")
 
-from tests.processes import CLUSTER_KEY, Cluster, cluster, renewal_request, stop  # noqa: E402
+from tests.processes import Cluster, renewal_request, stop  # noqa: E402
 
 pytest_plugins = ["tests.processes"]
 pytestmark = pytest.mark.broker
@@ -39,14 +37,6 @@ async def look_up(query: str) -> dict:
     """Look something up."""
     return {"query": query}
 '''
-
-
-@pytest.fixture
-async def core(kafka_settings: KafkaSettings, tmp_path: Path,
-               request: pytest.FixtureRequest) -> AsyncIterator[Cluster]:
-    async with cluster(kafka_settings, tmp_path, charge_timeout_s=1.0) as c:
-        request.node.stash[CLUSTER_KEY] = c
-        yield c
 
 
 def new_id(prefix: str) -> str:

@@ -121,3 +121,13 @@ def test_topics_are_declared_once_and_journals_keep_everything() -> None:
 
 def test_schema_files_live_in_schemas_json() -> None:
     assert Path(__file__).resolve().parents[1] / "schemas" / "json" == JSON_DIR
+
+
+def test_model_usage_is_bounded() -> None:
+    # A forged usage figure must not overflow the read model's sums: it is refused on read.
+    s = Stamper("renewal-8812")
+    event = s.intended(1)
+    wire = json.loads(event.model_dump_json())
+    wire["decided_by"]["usage"] = {"input_tokens": 10**30, "output_tokens": 1}
+    with pytest.raises(ValidationError, match="input_tokens"):
+        parse_event(json.dumps(wire))

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 from aiokafka.partitioner import murmur2
@@ -31,17 +29,14 @@ from halfway.contract import (
 )
 from halfway.contract.topics import TASKS
 from halfway.core.fold import TaskState, fold
-from halfway.settings import KafkaSettings
 
 # tests.processes is also a pytest plugin (process logs in failure reports, `pytest_plugins`
 # below); registered before its import so its asserts are rewritten like a test's.
 pytest.register_assert_rewrite("tests.processes")
 
 from tests.processes import (  # noqa: E402
-    CLUSTER_KEY,
     Cluster,
     charges_for,
-    cluster,
     journal_now,
     kill9,
     renewal_request,
@@ -51,19 +46,12 @@ from tests.processes import (  # noqa: E402
 pytest_plugins = ["tests.processes"]
 pytestmark = pytest.mark.broker
 
-TIMEOUT_S = 1.0  # the charge timeout the services get, unless a test says otherwise
+# The services' charge timeout is the `core` cluster's (tests.processes): 1 s unless a test
+# says otherwise.
 SLOWER_S = 2.0  # a provider delay past that timeout
 # For waits that span a kill -9 (a killed member holds its partitions until its session, 10 s,
 # expires) or hundreds of tasks: bounded, with room for a busy 2-core CI machine.
 LONG_WAIT_S = 120.0
-
-
-@pytest.fixture
-async def core(kafka_settings: KafkaSettings, tmp_path: Path,
-               request: pytest.FixtureRequest) -> AsyncIterator[Cluster]:
-    async with cluster(kafka_settings, tmp_path, charge_timeout_s=TIMEOUT_S) as c:
-        request.node.stash[CLUSTER_KEY] = c
-        yield c
 
 
 def new_id(prefix: str) -> str:

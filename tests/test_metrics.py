@@ -5,32 +5,21 @@ from __future__ import annotations
 import asyncio
 import socket
 import uuid
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from halfway.contract import FinalState
-from halfway.settings import KafkaSettings
 
 pytest.register_assert_rewrite("tests.processes")
 
-from tests.processes import CLUSTER_KEY, Cluster, cluster, renewal_request  # noqa: E402
+from tests.processes import Cluster, renewal_request  # noqa: E402
 
 pytest_plugins = ["tests.processes"]
 pytestmark = pytest.mark.broker
 
 WAIT_S = 60.0
-
-
-@pytest.fixture
-async def core(kafka_settings: KafkaSettings, tmp_path: Path,
-               request: pytest.FixtureRequest) -> AsyncIterator[Cluster]:
-    async with cluster(kafka_settings, tmp_path, charge_timeout_s=1.0) as c:
-        request.node.stash[CLUSTER_KEY] = c
-        yield c
 
 
 def free_port() -> int:

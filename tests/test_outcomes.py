@@ -13,9 +13,8 @@ import itertools
 import json
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -37,9 +36,7 @@ from tests.factories import Stamper
 pytest.register_assert_rewrite("tests.processes")
 
 from tests.processes import (  # noqa: E402
-    CLUSTER_KEY,
     Cluster,
-    cluster,
     journal_now,
     renewal_request,
 )
@@ -289,17 +286,8 @@ def test_the_model_refuses_inconsistent_messages(mutation: dict[str, Any]) -> No
 
 # --- end to end: real services, the publisher, a subscriber ---------------------------------------
 
-TIMEOUT_S = 1.0  # the executor's charge timeout
-SLOWER_S = 2.0  # the provider's first charge: slower than that
+SLOWER_S = 2.0  # the provider's first charge: slower than the `core` cluster's 1 s timeout
 WAIT_S = 90.0
-
-
-@pytest.fixture
-async def core(kafka_settings: KafkaSettings, tmp_path: Path,
-               request: pytest.FixtureRequest) -> AsyncIterator[Cluster]:
-    async with cluster(kafka_settings, tmp_path, charge_timeout_s=TIMEOUT_S) as c:
-        request.node.stash[CLUSTER_KEY] = c
-        yield c
 
 
 def start_publisher(settings: KafkaSettings, writer: JournalWriter,

@@ -48,11 +48,9 @@ from halfway.settings import KafkaSettings
 pytest.register_assert_rewrite("tests.processes")
 
 from tests.processes import (  # noqa: E402
-    CLUSTER_KEY,
     POLL_S,
     Cluster,
     Proc,
-    cluster,
     renewal_request,
 )
 from tests.test_projector import spawn_projector  # noqa: E402
@@ -241,14 +239,6 @@ async def until_lettered(settings: KafkaSettings, wanted: set[tuple[bytes, str |
 
 
 # --- the services --------------------------------------------------------------------------------
-
-
-@pytest.fixture
-async def core(kafka_settings: KafkaSettings, tmp_path: Path,
-               request: pytest.FixtureRequest) -> AsyncIterator[Cluster]:
-    async with cluster(kafka_settings, tmp_path) as c:
-        request.node.stash[CLUSTER_KEY] = c
-        yield c
 
 
 @pytest.fixture

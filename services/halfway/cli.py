@@ -160,10 +160,6 @@ def run(service: Annotated[Runnable, typer.Argument(help="which service")],
         from halfway import metrics
 
         metrics.serve_from_env(metrics_port)
-    if service in (Runnable.DECIDER, Runnable.EXECUTOR, Runnable.RECONCILER):
-        loaded = _load_app(app_ref)  # a wrong --app fails here, with its reason, not later
-        if service is Runnable.DECIDER:
-            _load_model(model, loaded)
     match service:
         case Runnable.GATEWAY:
             from halfway.gateway import serve_gateway
@@ -180,7 +176,9 @@ def run(service: Annotated[Runnable, typer.Argument(help="which service")],
         case _:
             from halfway.serve import serve
 
-            asyncio.run(serve(Service(service.value), app_ref=app_ref, model_ref=model))
+            loaded = _load_app(app_ref)  # a wrong --app or --model fails here, with why
+            chosen = _load_model(model, loaded) if service is Runnable.DECIDER else None
+            asyncio.run(serve(Service(service.value), app=loaded, model=chosen))
 
 
 @app.command()

@@ -65,14 +65,10 @@ def stop_on_signals() -> None:
         loop.add_signal_handler(sig, task.cancel)
 
 
-async def serve(name: Service, *, app_ref: str | None = None,
-                model_ref: str | None = None) -> None:
-    """The process entry point: stop cleanly on SIGTERM or SIGINT."""
-    from halfway.app import load_app, load_model
-
+async def serve(name: Service, *, app: App, model: Model | None = None) -> None:
+    """The process entry point (the app and the model already loaded by the command line,
+    which reports a wrong one): stop cleanly on SIGTERM or SIGINT."""
     log.configure()
-    app = load_app(app_ref)
-    model = load_model(model_ref, app) if name is Service.DECIDER else None
     settings = KafkaSettings.from_env()
     await ensure_topics_once_up(settings)
     registry = app.registry()

@@ -46,6 +46,7 @@ from halfway.contract.ids import (
 )
 
 SCHEMA_VERSION = 1
+TOKENS_PER_QUESTION_MAX = 1_000_000_000
 
 TaskId = Annotated[str, Field(pattern=TASK_ID_PATTERN, description="Named by the caller.")]
 StepId = Annotated[str, Field(pattern=STEP_ID_PATTERN, description="`{task_id}:{n}`")]
@@ -134,8 +135,10 @@ class SubjectHeld(_Part):
 class Usage(_Part):
     """What one model question cost, as the model's endpoint reported it."""
 
-    input_tokens: int = Field(0, ge=0)
-    output_tokens: int = Field(0, ge=0)
+    # Bounded so no record can overflow a sum (the read model's bigint): no real question costs
+    # anywhere near a billion tokens.
+    input_tokens: int = Field(0, ge=0, le=TOKENS_PER_QUESTION_MAX)
+    output_tokens: int = Field(0, ge=0, le=TOKENS_PER_QUESTION_MAX)
 
 
 class DecidedBy(_Part):

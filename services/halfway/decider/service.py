@@ -55,7 +55,7 @@ from halfway.contract import (
     mint_undo_key,
     step_id,
 )
-from halfway.contract.events import new_event_id
+from halfway.contract.events import TOKENS_PER_QUESTION_MAX, new_event_id
 from halfway.contract.guards import GuardRecord, SubjectClaimed, SubjectReleased
 from halfway.contract.topics import TASKS
 from halfway.core import saga
@@ -267,6 +267,8 @@ class Decider:
                                     "undecided", retry_in_s=retry_in_s)
             finally:
                 del self._asking[(task_id, n)]
+                if not self.follower.owns(task_id):
+                    self._place_failures.pop((task_id, n), None)  # another decider's now
                 if retry_in_s is None:
                     self.follower.touch(task_id)
                 else:
@@ -304,10 +306,13 @@ class Decider:
                           status=failure.status)
 
     def _decided_by(self, usage: ModelUsage | None) -> DecidedBy:
+        def tokens(n: int) -> int:  # what an endpoint reports, within the contract's bounds
+            return min(TOKENS_PER_QUESTION_MAX, max(0, n))
+
         return DecidedBy(
             model=str(self.model.name)[:200] or "?", version=self.model.version,
-            usage=None if usage is None else Usage(input_tokens=max(0, usage.input_tokens),
-                                                   output_tokens=max(0, usage.output_tokens)),
+            usage=None if usage is None else Usage(input_tokens=tokens(usage.input_tokens),
+                                                   output_tokens=tokens(usage.output_tokens)),
             app=self.app_label)
 
     def _still_asking(self, task_id: str, n: int) -> bool:
