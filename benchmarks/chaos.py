@@ -245,7 +245,7 @@ class LiveTopic:
         self._news = asyncio.Event()
 
     async def start(self) -> None:
-        self._consumer = AIOKafkaConsumer(bootstrap_servers=self.settings.bootstrap,
+        self._consumer = AIOKafkaConsumer(**self.settings.client(),
                                           group_id=None, enable_auto_commit=False,
                                           isolation_level="read_committed", **fetch_limits())
         await self._consumer.start()
@@ -770,7 +770,7 @@ async def _start_paysim(env: dict[str, str], run_dir: Path, key_ttl_s: float,
 
 async def dead_letters(settings: KafkaSettings) -> int:
     """How many records the services dead-lettered (the topic's end offsets)."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap, group_id=None)
+    consumer = AIOKafkaConsumer(**settings.client(), group_id=None)
     await consumer.start()
     try:
         topic = DEAD_LETTERS.name(settings.topic_prefix)

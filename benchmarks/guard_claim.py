@@ -40,9 +40,7 @@ def claim(i: int) -> SubjectClaimed:
 
 async def main(claims: int, warmup: int) -> None:
     base = KafkaSettings.from_env()
-    settings = KafkaSettings(bootstrap=base.bootstrap,
-                             topic_prefix=f"bench-guard-{uuid.uuid4().hex[:6]}.",
-                             replication_factor=base.replication_factor)
+    settings = base.with_prefix(f"bench-guard-{uuid.uuid4().hex[:6]}.")
     await ensure_topics(settings, (JOURNAL, GUARDS))
     try:
         async with JournalWriter(settings) as writer:

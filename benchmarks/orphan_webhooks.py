@@ -58,7 +58,7 @@ def orphan(i: int) -> WebhookReceived:
 
 
 async def committed_total(settings: KafkaSettings, group: str) -> int:
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap, group_id=group,
+    consumer = AIOKafkaConsumer(**settings.client(), group_id=group,
                                 enable_auto_commit=False)
     await consumer.start()
     try:
@@ -70,7 +70,7 @@ async def committed_total(settings: KafkaSettings, group: str) -> int:
 
 
 async def letters(settings: KafkaSettings) -> int:
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap, group_id=None)
+    consumer = AIOKafkaConsumer(**settings.client(), group_id=None)
     await consumer.start()
     try:
         tp = TopicPartition(DEAD_LETTERS.name(settings.topic_prefix), 0)
@@ -81,9 +81,7 @@ async def letters(settings: KafkaSettings) -> int:
 
 async def main(count: int, rounds: int) -> None:
     base = KafkaSettings.from_env()
-    settings = KafkaSettings(bootstrap=base.bootstrap,
-                             topic_prefix=f"bench-orphans-{uuid.uuid4().hex[:6]}.",
-                             replication_factor=base.replication_factor)
+    settings = base.with_prefix(f"bench-orphans-{uuid.uuid4().hex[:6]}.")
     await ensure_topics(settings, ALL_TOPICS)
     env = dict(os.environ, HALFWAY_TOPIC_PREFIX=settings.topic_prefix,
                HALFWAY_LOG_LEVEL="ERROR", HALFWAY_KAFKA_BOOTSTRAP=settings.bootstrap)

@@ -92,7 +92,7 @@ async def main() -> None:
     parser.add_argument("--warmup", type=int, default=200)
     args = parser.parse_args()
     base = KafkaSettings.from_env()
-    settings = KafkaSettings(base.bootstrap, f"bench-{uuid.uuid4().hex[:6]}.", 1)
+    settings = base.with_prefix(f"bench-{uuid.uuid4().hex[:6]}.")
     await ensure_topics(settings, (JOURNAL,))
     events = [sample_event(i) for i in range(args.sends + args.warmup)]
     print(f"{os.cpu_count()} cores, broker {settings.bootstrap}, topic "
@@ -102,7 +102,7 @@ async def main() -> None:
     async with JournalWriter(settings) as journal:
         journal_ms = await timed(args.sends, args.warmup,
                                  lambda i: journal.append(events[i]))
-    plain = AIOKafkaProducer(bootstrap_servers=settings.bootstrap, acks=1,
+    plain = AIOKafkaProducer(**settings.client(), acks=1,
                              enable_idempotence=False)
     await plain.start()
     try:

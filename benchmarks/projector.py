@@ -106,7 +106,7 @@ def workload(events_total: int, tasks: int, name: str) -> list[Event]:
 
 async def write(settings: KafkaSettings, events: list[Event]) -> float:
     """Write as fast as one producer can; returns the monotonic time the last ack arrived."""
-    producer = AIOKafkaProducer(bootstrap_servers=settings.bootstrap, acks="all",
+    producer = AIOKafkaProducer(**settings.client(), acks="all",
                                 enable_idempotence=True, linger_ms=5)
     await producer.start()
     try:
@@ -120,8 +120,7 @@ async def write(settings: KafkaSettings, events: list[Event]) -> float:
 
 
 def prefixed(base: KafkaSettings, what: str) -> KafkaSettings:
-    return KafkaSettings(base.bootstrap, f"bench-{what}-{uuid.uuid4().hex[:6]}.",
-                         base.replication_factor)
+    return base.with_prefix(f"bench-{what}-{uuid.uuid4().hex[:6]}.")
 
 
 async def replay_speed(settings: KafkaSettings, schema: str) -> None:
@@ -172,7 +171,7 @@ async def burst_lag(base: KafkaSettings, burst: int, schema: str) -> None:
     await ensure_topics(settings, (JOURNAL,))
     topic = JOURNAL.name(settings.topic_prefix)
     conn = await store.connect(env.pg_dsn())
-    ends_reader = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap, group_id=None,
+    ends_reader = AIOKafkaConsumer(**settings.client(), group_id=None,
                                    enable_auto_commit=False, isolation_level="read_committed")
     await ends_reader.start()
     with tempfile.TemporaryDirectory() as tmp:

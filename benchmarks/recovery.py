@@ -76,7 +76,7 @@ def history(task_id: str, at: datetime) -> list[Event]:
 
 async def fill(settings: KafkaSettings, events: int) -> None:
     """Write `events` journal events (finished tasks) as fast as the producer batches them."""
-    producer = AIOKafkaProducer(bootstrap_servers=settings.bootstrap, acks=1,
+    producer = AIOKafkaProducer(**settings.client(), acks=1,
                                 linger_ms=20, max_batch_size=512 * 1024,
                                 compression_type="gzip")
     await producer.start()
@@ -105,7 +105,7 @@ async def first_action(settings: KafkaSettings, probe: str, ready: asyncio.Event
     """The monotonic time at which `task.started` for `probe` was read from the journal
     (`ready` is set once the watcher sits at the journal's end)."""
     consumer = AIOKafkaConsumer(JOURNAL.name(settings.topic_prefix),
-                                bootstrap_servers=settings.bootstrap,
+                                **settings.client(),
                                 auto_offset_reset="latest", group_id=None)
     await consumer.start()
     try:
@@ -135,9 +135,7 @@ def rss_mib(pid: int) -> float:
 
 
 async def one(base: KafkaSettings, events: int) -> tuple[float, float, float]:
-    settings = KafkaSettings(bootstrap=base.bootstrap,
-                             topic_prefix=f"recovery-{uuid.uuid4().hex[:8]}.",
-                             replication_factor=base.replication_factor)
+    settings = base.with_prefix(f"recovery-{uuid.uuid4().hex[:8]}.")
     await ensure_topics(settings, ALL_TOPICS)
     try:
         started = time.monotonic()
@@ -145,7 +143,7 @@ async def one(base: KafkaSettings, events: int) -> tuple[float, float, float]:
         fill_s = time.monotonic() - started
         probe = f"probe-{uuid.uuid4().hex[:8]}"
         request = history(probe, datetime.now(UTC))[0]
-        producer = AIOKafkaProducer(bootstrap_servers=settings.bootstrap)
+        producer = AIOKafkaProducer(**settings.client())
         await producer.start()
         await producer.send_and_wait(TASKS.name(settings.topic_prefix),
                                      value=record_value(request), key=record_key(request),

@@ -362,7 +362,7 @@ async def journal_at_end(settings: KafkaSettings) -> AIOKafkaConsumer:
     """A consumer of every journal partition, positioned at their ends (as the services read:
     read_committed, the project's fetch limits)."""
     topic = JOURNAL.name(settings.topic_prefix)
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap, group_id=None,
+    consumer = AIOKafkaConsumer(**settings.client(), group_id=None,
                                 enable_auto_commit=False, isolation_level="read_committed",
                                 **fetch_limits())
     await consumer.start()
@@ -426,8 +426,7 @@ class Halfway(System):
 
     async def setup(self, bench: Bench) -> None:
         base = KafkaSettings.from_env()
-        self.settings = KafkaSettings(base.bootstrap, f"sbs-{bench.run_id}.",
-                                      base.replication_factor)
+        self.settings = base.with_prefix(f"sbs-{bench.run_id}.")
         await ensure_topics(self.settings, ALL_TOPICS)
         env = dict(os.environ) | {"HALFWAY_TOPIC_PREFIX": self.settings.topic_prefix,
                                   "HALFWAY_LOG_LEVEL": "WARNING", "HALFWAY_MODEL": "scripted",
@@ -607,8 +606,7 @@ class Floor:
 
     def __init__(self, run_id: str) -> None:
         base = KafkaSettings.from_env()
-        self.settings = KafkaSettings(base.bootstrap, f"sbs-floor-{run_id}.",
-                                      base.replication_factor)
+        self.settings = base.with_prefix(f"sbs-floor-{run_id}.")
         self.append_ms: list[float] = []
         self.hop_ms: list[float] = []
         self._arrived: dict[str, asyncio.Future[float]] = {}

@@ -34,9 +34,7 @@ def infrastructure() -> None:
 def kafka_settings(infrastructure: None) -> KafkaSettings:
     # A fresh topic prefix per test session: tests never see records of an earlier run.
     base = KafkaSettings.from_env()
-    return KafkaSettings(bootstrap=base.bootstrap,
-                         topic_prefix=f"test-{uuid.uuid4().hex[:8]}.",
-                         replication_factor=base.replication_factor)
+    return base.with_prefix(f"test-{uuid.uuid4().hex[:8]}.")
 
 
 @pytest.fixture(scope="session")

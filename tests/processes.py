@@ -147,7 +147,7 @@ class JournalWatcher:
 
     async def start(self) -> None:
         topic = JOURNAL.name(self.settings.topic_prefix)
-        self._consumer = AIOKafkaConsumer(bootstrap_servers=self.settings.bootstrap,
+        self._consumer = AIOKafkaConsumer(**self.settings.client(),
                                           group_id=None, enable_auto_commit=False,
                                           **fetch_limits())
         await self._consumer.start()
@@ -495,9 +495,7 @@ async def cluster(base: KafkaSettings, workdir: Path, *, charge_timeout_s: float
                   sim_args: tuple[str, ...] = (), webhooks: bool = False,
                   tripsim: bool = False) -> Any:
     """A fresh prefix with its topics, a simulator, a writer for requests and a watcher."""
-    settings = KafkaSettings(bootstrap=base.bootstrap,
-                             topic_prefix=f"core-{uuid.uuid4().hex[:8]}.",
-                             replication_factor=base.replication_factor)
+    settings = base.with_prefix(f"core-{uuid.uuid4().hex[:8]}.")
     out = Cluster(settings, workdir, charge_timeout_s=charge_timeout_s)
     try:
         await ensure_topics(settings, ALL_TOPICS)

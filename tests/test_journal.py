@@ -71,7 +71,7 @@ async def take(deliveries: AsyncIterator[Delivery], count: int) -> list[Delivery
 async def raw_records(settings: KafkaSettings, spec: TopicSpec, count: int,
                       keep: Callable[[object], bool] = lambda r: True) -> list:
     consumer = AIOKafkaConsumer(spec.name(settings.topic_prefix),
-                                bootstrap_servers=settings.bootstrap,
+                                **settings.client(),
                                 auto_offset_reset="earliest", group_id=None)
     await consumer.start()
     out = []
@@ -95,7 +95,7 @@ def group() -> str:
 @broker
 async def test_topics_are_created_with_their_configs_once(topics: KafkaSettings) -> None:
     assert await ensure_topics(topics, ALL_TOPICS) == []  # a second call creates nothing
-    admin = AIOKafkaAdminClient(bootstrap_servers=topics.bootstrap)
+    admin = AIOKafkaAdminClient(**topics.client())
     await admin.start()
     try:
         responses = await admin.describe_configs(
@@ -487,8 +487,7 @@ async def test_cancelling_a_letter_is_not_swallowed() -> None:
 @pytest.fixture
 async def own_topics(kafka_settings: KafkaSettings) -> AsyncIterator[KafkaSettings]:
     """A tasks topic (and dead letters) of this test's own: nothing else in them."""
-    settings = KafkaSettings(kafka_settings.bootstrap, f"own-{uuid.uuid4().hex[:8]}.",
-                             kafka_settings.replication_factor)
+    settings = kafka_settings.with_prefix(f"own-{uuid.uuid4().hex[:8]}.")
     await ensure_topics(settings, (TASKS, DEAD_LETTERS))
     yield settings
     await delete_topics(settings, (TASKS, DEAD_LETTERS))

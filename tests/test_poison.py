@@ -177,7 +177,7 @@ def poisons(settings: KafkaSettings, task_id: str, subject: str) -> list[Poison]
 
 async def publish(settings: KafkaSettings, records: list[Poison]) -> dict[Poison, tuple[int, int]]:
     """Each record, alone in its batch; where each landed (partition, offset)."""
-    producer = AIOKafkaProducer(bootstrap_servers=settings.bootstrap, acks="all",
+    producer = AIOKafkaProducer(**settings.client(), acks="all",
                                 max_request_size=TEST_PRODUCER_REQUEST_BYTES)
     await producer.start()
     try:
@@ -209,7 +209,7 @@ async def until_lettered(settings: KafkaSettings, wanted: set[tuple[bytes, str |
     """Every letter on the dead-letter topic, once there is one per (key, consumer group) in
     `wanted`; bounded, failing early if a service died."""
     topic = DEAD_LETTERS.name(settings.topic_prefix)
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap, group_id=None,
+    consumer = AIOKafkaConsumer(**settings.client(), group_id=None,
                                 enable_auto_commit=False, **fetch_limits())
     await consumer.start()
     letters: list[Letter] = []
@@ -375,7 +375,7 @@ async def test_a_valid_request_too_large_to_journal_is_rejected_and_the_decider_
     template = TaskRequested(event_id=_id(), task_id=big_id, at=_now(),
                              input={"pad": PAD}).model_dump_json().encode()
     huge = _grown(template, value_bytes_max(key))
-    producer = AIOKafkaProducer(bootstrap_servers=core.settings.bootstrap, acks="all",
+    producer = AIOKafkaProducer(**core.settings.client(), acks="all",
                                 max_request_size=TEST_PRODUCER_REQUEST_BYTES)
     await producer.start()
     try:

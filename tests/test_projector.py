@@ -232,8 +232,7 @@ def test_a_contradiction_is_surfaced_on_the_step() -> None:
 @pytest.fixture
 async def journal(kafka_settings: KafkaSettings) -> AsyncIterator[KafkaSettings]:
     """A journal topic of this test's own."""
-    settings = KafkaSettings(kafka_settings.bootstrap, f"proj-{uuid.uuid4().hex[:8]}.",
-                             kafka_settings.replication_factor)
+    settings = kafka_settings.with_prefix(f"proj-{uuid.uuid4().hex[:8]}.")
     await ensure_topics(settings, (JOURNAL,))
     yield settings
     await delete_topics(settings, (JOURNAL,))

@@ -187,7 +187,7 @@ async def post_signed(client: httpx.AsyncClient, event: dict[str, Any], *,
 
 
 async def topic_ends(settings: KafkaSettings) -> dict[TopicPartition, int]:
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap, group_id=None,
+    consumer = AIOKafkaConsumer(**settings.client(), group_id=None,
                                 enable_auto_commit=False)
     await consumer.start()
     try:
@@ -201,7 +201,7 @@ async def topic_ends(settings: KafkaSettings) -> dict[TopicPartition, int]:
 async def published_since(settings: KafkaSettings, since: dict[TopicPartition, int],
                           ) -> list[tuple[bytes | None, WebhookReceived]]:
     """(record key, webhook) of every record after `since`, up to each partition's end now."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap, group_id=None,
+    consumer = AIOKafkaConsumer(**settings.client(), group_id=None,
                                 enable_auto_commit=False)
     await consumer.start()
     out: list[tuple[bytes | None, WebhookReceived]] = []

@@ -128,7 +128,7 @@ class OutcomeStream:
         count = await _partition_count(self.settings, topic)
         numbers = (range(count) if self.task_id is None
                    else [partition_of(self.task_id.encode(), count)])
-        consumer = AIOKafkaConsumer(bootstrap_servers=self.settings.bootstrap, group_id=None,
+        consumer = AIOKafkaConsumer(**self.settings.client(), group_id=None,
                                     enable_auto_commit=False, isolation_level="read_committed",
                                     **fetch_limits())
         await consumer.start()
@@ -191,7 +191,7 @@ async def _follow_until_over(settings: KafkaSettings, task_id: str) -> TaskState
     topic = JOURNAL.name(settings.topic_prefix)
     count = await _partition_count(settings, topic)
     tp = TopicPartition(topic, partition_of(task_id.encode(), count))
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap, group_id=None,
+    consumer = AIOKafkaConsumer(**settings.client(), group_id=None,
                                 enable_auto_commit=False, isolation_level="read_committed",
                                 **fetch_limits())
     await consumer.start()
@@ -213,4 +213,4 @@ async def _follow_until_over(settings: KafkaSettings, task_id: str) -> TaskState
 
 
 async def _partition_count(settings: KafkaSettings, topic: str) -> int:
-    return len(await topic_partitions(settings.bootstrap, topic))
+    return len(await topic_partitions(settings, topic))

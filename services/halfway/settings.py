@@ -6,9 +6,11 @@ the services through these same variables.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 HOST = "127.0.0.1"
 DEFAULT_KAFKA_PORT = 19092
@@ -75,6 +77,9 @@ class KafkaSettings:
     bootstrap: str
     topic_prefix: str
     replication_factor: int
+    # How clients authenticate and encrypt, as aiokafka's keyword arguments
+    # (`security_protocol`, `sasl_mechanism`, ...); empty: plaintext, no authentication.
+    security: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_env(cls) -> KafkaSettings:
@@ -83,6 +88,15 @@ class KafkaSettings:
             topic_prefix=os.environ.get("HALFWAY_TOPIC_PREFIX", "halfway."),
             replication_factor=int(os.environ.get("HALFWAY_REPLICATION_FACTOR", "1")),
         )
+
+    def client(self) -> dict[str, Any]:
+        """The keyword arguments every aiokafka client of halfway is made with: where the
+        broker is and how to authenticate to it (the one place for both)."""
+        return {"bootstrap_servers": self.bootstrap, **self.security}
+
+    def with_prefix(self, topic_prefix: str) -> KafkaSettings:
+        """The same broker and credentials, other topics (tests and benchmarks)."""
+        return dataclasses.replace(self, topic_prefix=topic_prefix)
 
 
 def paysim_url() -> str:

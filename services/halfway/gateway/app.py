@@ -139,8 +139,8 @@ class KafkaJournalEnds:
         self._consumer: AIOKafkaConsumer | None = None
 
     async def start(self) -> None:
-        self.partitions = len(await topic_partitions(self.settings.bootstrap, self.topic))
-        self._consumer = AIOKafkaConsumer(bootstrap_servers=self.settings.bootstrap,
+        self.partitions = len(await topic_partitions(self.settings, self.topic))
+        self._consumer = AIOKafkaConsumer(**self.settings.client(),
                                           group_id=None, enable_auto_commit=False,
                                           isolation_level="read_committed")
         await self._consumer.start()

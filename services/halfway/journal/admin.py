@@ -26,7 +26,7 @@ async def ensure_topics(settings: KafkaSettings,
     Existing topics are left as they are (their configs are not overwritten): changing a
     journal's retention is an operator's decision, not a side effect of a deploy.
     """
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap)
+    admin = AIOKafkaAdminClient(**settings.client())
     await admin.start()
     try:
         existing = set(await admin.list_topics())
@@ -70,7 +70,7 @@ async def ensure_topics_once_up(settings: KafkaSettings,
 async def delete_topics(settings: KafkaSettings, specs: tuple[TopicSpec, ...] = ALL_TOPICS) -> None:
     """Delete a prefix's topics: for tests and benchmarks that made their own, never journals
     in use (there is no undo)."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap)
+    admin = AIOKafkaAdminClient(**settings.client())
     await admin.start()
     try:
         existing = set(await admin.list_topics())
@@ -80,10 +80,10 @@ async def delete_topics(settings: KafkaSettings, specs: tuple[TopicSpec, ...] = 
         await admin.close()
 
 
-async def topic_partitions(bootstrap: str, topic: str) -> set[int]:
+async def topic_partitions(settings: KafkaSettings, topic: str) -> set[int]:
     """The partition numbers a topic has now. A consumer's own metadata covers only what it
     subscribed to, and the producer spreads keys over the real count: ask the cluster."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = AIOKafkaAdminClient(**settings.client())
     await admin.start()
     try:
         (described,) = await admin.describe_topics([topic])
@@ -94,9 +94,9 @@ async def topic_partitions(bootstrap: str, topic: str) -> set[int]:
     return {p["partition"] for p in described["partitions"]}
 
 
-async def cluster_id(bootstrap: str) -> str:
+async def cluster_id(settings: KafkaSettings) -> str:
     """The Kafka cluster's id: offsets are only comparable within one cluster."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = AIOKafkaAdminClient(**settings.client())
     await admin.start()
     try:
         return str((await admin.describe_cluster())["cluster_id"])

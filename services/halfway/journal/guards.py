@@ -47,7 +47,7 @@ class GuardView:
         self.book = GuardBook()
         self._on_record = on_record  # told of every record folded (after the book has it)
         self._topic = GUARDS.name(settings.topic_prefix)
-        self._consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap,
+        self._consumer = AIOKafkaConsumer(**settings.client(),
                                           enable_auto_commit=False,
                                           isolation_level="read_committed",
                                           **fetch_limits())
@@ -60,7 +60,7 @@ class GuardView:
     async def start(self) -> None:
         await self._consumer.start()
         partitions = [TopicPartition(self._topic, p)
-                      for p in sorted(await topic_partitions(self.settings.bootstrap,
+                      for p in sorted(await topic_partitions(self.settings,
                                                              self._topic))]
         self._consumer.assign(partitions)
         await self._consumer.seek_to_beginning(*partitions)

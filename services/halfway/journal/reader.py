@@ -53,7 +53,7 @@ class EventConsumer:
         self._log = log.get("halfway.journal", group=group)
         self.dead_letters = DeadLetters(writer, group=group, logger=self._log)
         self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=settings.bootstrap,
+            **settings.client(),
             group_id=group,
             enable_auto_commit=False,  # we commit after acting, never before
             auto_offset_reset="earliest",  # a new group reads the journal from the start

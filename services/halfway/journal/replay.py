@@ -40,10 +40,10 @@ async def read_topic(settings: KafkaSettings, spec: TopicSpec = JOURNAL,
     With `only_key`, only the partition that key maps to is read.
     """
     topic = spec.name(settings.topic_prefix)
-    partitions = await topic_partitions(settings.bootstrap, topic)
+    partitions = await topic_partitions(settings, topic)
     if only_key is not None:
         partitions = {partition_of(only_key, len(partitions))}
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap, group_id=None,
+    consumer = AIOKafkaConsumer(**settings.client(), group_id=None,
                                 enable_auto_commit=False, isolation_level="read_committed",
                                 **fetch_limits())
     await consumer.start()

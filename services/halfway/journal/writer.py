@@ -22,7 +22,7 @@ class JournalWriter:
     def __init__(self, settings: KafkaSettings, *, linger_ms: int = 0) -> None:
         self.settings = settings
         self._producer = AIOKafkaProducer(
-            bootstrap_servers=settings.bootstrap,
+            **settings.client(),
             acks="all",
             # Idempotence makes the producer's own retries safe: a resent batch is not written
             # twice. It does not dedupe a second writer; the fold's first-in-log rule does.

@@ -166,7 +166,7 @@ async def _read(settings: KafkaSettings, partitions: set[int] | None,
     # Invalid records (any kind, any size) are skipped: this topic is ours, so one is a bug,
     # logged with where it is, and it must not stop a publisher from starting.
     topic = OUTCOMES.name(settings.topic_prefix)
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap, group_id=None,
+    consumer = AIOKafkaConsumer(**settings.client(), group_id=None,
                                 enable_auto_commit=False, isolation_level="read_committed",
                                 **fetch_limits())
     await consumer.start()

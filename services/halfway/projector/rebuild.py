@@ -92,7 +92,7 @@ async def rebuild(settings: KafkaSettings, dsn: str, *, progress: Progress | Non
     try:
         await store.drop_schema(conn, rebuilt)  # a fresh copy: nothing of an earlier try
         await store.migrate(conn, rebuilt)
-        await store.claim_source(conn, rebuilt, await cluster_id(settings.bootstrap),
+        await store.claim_source(conn, rebuilt, await cluster_id(settings),
                                  JOURNAL.name(settings.topic_prefix))
         started = time.monotonic()
         states, ends, events, invalid = await _fold_journal(settings, progress)

@@ -175,7 +175,7 @@ class Projector:
         self._conn = await store.connect(self._dsn)
         try:
             await store.migrate(self._conn, self.schema)
-            source = await cluster_id(self.settings.bootstrap)
+            source = await cluster_id(self.settings)
             if not await store.claim_source(self._conn, self.schema, source, self.topic):
                 # Built from another journal: its offsets would skip this one's events.
                 self._log.warning("the read model was built from another Kafka cluster's "
@@ -185,7 +185,7 @@ class Projector:
                 await store.migrate(self._conn, self.schema)
                 await store.claim_source(self._conn, self.schema, source, self.topic)
             self._consumer = AIOKafkaConsumer(
-                bootstrap_servers=self.settings.bootstrap, group_id=self.group,
+                **self.settings.client(), group_id=self.group,
                 enable_auto_commit=False,  # the offsets that count are in PostgreSQL
                 auto_offset_reset="earliest", isolation_level="read_committed",
                 **fetch_limits())
@@ -313,8 +313,8 @@ class Projector:
 async def journal_end_offsets(settings: KafkaSettings) -> dict[int, int]:
     """partition -> end offset of the journal now (read_committed, as the projector reads)."""
     topic = JOURNAL.name(settings.topic_prefix)
-    partitions = await topic_partitions(settings.bootstrap, topic)
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap, group_id=None,
+    partitions = await topic_partitions(settings, topic)
+    consumer = AIOKafkaConsumer(**settings.client(), group_id=None,
                                 enable_auto_commit=False, isolation_level="read_committed",
                                 **fetch_limits())
     await consumer.start()
