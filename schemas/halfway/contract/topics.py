@@ -67,4 +67,16 @@ DEAD_LETTERS = TopicSpec(
     "and a bounded excerpt",
 )
 
-ALL_TOPICS: tuple[TopicSpec, ...] = (TASKS, JOURNAL, WEBHOOKS, OUTCOMES, GUARDS, DEAD_LETTERS)
+# Snapshots are disposable (halfway.journal.snapshots): a week of them is kept, and a follower
+# refreshes its own daily, so the one its group's commit points to is always there.
+SNAPSHOTS = TopicSpec(
+    "snapshots",
+    6,
+    "consumer group / journal partition",
+    {"cleanup.policy": "delete", "retention.ms": str(7 * 86_400_000)},
+    "followers' images of their journal partitions, so a restart reads only the journal after "
+    "them; never a source of truth",
+)
+
+ALL_TOPICS: tuple[TopicSpec, ...] = (TASKS, JOURNAL, WEBHOOKS, OUTCOMES, GUARDS, DEAD_LETTERS,
+                                     SNAPSHOTS)

@@ -117,7 +117,7 @@ class Decider:
         self.follower = JournalFollower(settings, group=group, writer=writer,
                                         on_change=self._on_change, side=TASKS,
                                         app_label=app_label,
-                                        seal_after_s=env.seal_after_s())
+                                        seal_after_s=env.seal_after_s(), snapshots=True)
         self.follower.on_give_up = self._give_up
         self.guards = GuardView(settings, writer, on_record=self._on_guard_record)
         self._asking: dict[tuple[str, int], asyncio.Task[None]] = {}

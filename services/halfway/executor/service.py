@@ -76,7 +76,7 @@ class Executor(StepWorker):
         group = group or f"{settings.topic_prefix}executor"  # one group per deployment
         self.follower = JournalFollower(settings, group=group, writer=writer,
                                         on_change=self._on_change, app_label=app_label,
-                                        seal_after_s=env.seal_after_s())
+                                        seal_after_s=env.seal_after_s(), snapshots=True)
         self._slots = asyncio.Semaphore(CALLS_IN_FLIGHT_MAX)
         self._log = log.get("halfway.executor")
 

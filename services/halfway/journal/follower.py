@@ -13,13 +13,16 @@ Two rules keep a service from acting twice on its own writes:
   a state that does not yet contain its own last move;
 - services keep their own set of moves in flight (a call, a model question) and skip those.
 
-Offsets are never committed: every (re)start replays from zero, which is correct by
-construction and costs a full read of the owned partitions (snapshots would shorten it).
+A newly owned partition is replayed from zero, which is correct by construction, unless a
+usable snapshot of it exists (`snapshots=True`: `halfway.journal.snapshots`): then its live
+state is restored from the snapshot and only the journal after it is read. The follower writes
+a partition's snapshot every so many records or seconds once it has caught up; the image is
+taken between two batches, so it is exactly the state the records before its offset give.
 
 Memory follows live work, not history (`seal_after_s`): a task that ended (finished or
 rejected) with every effect settled, `seal_after_s` before the newest record of its partition
 (the journal's own clock, so a replay seals exactly what the live follower sealed), is
-*sealed*: only its end is kept (enough to say it is over and to refuse a second start). Later
+*sealed*: only its status is kept (enough to say it is over and to refuse a second start). Later
 step events for it are not folded, and its webhooks are weighed as orphans (quarantined, with
 the reason), so late news of a task sealed a day ago reaches an operator as a letter, not as a
 change of its state. A task that needs attention is never sealed.
@@ -40,6 +43,8 @@ time (past HELD_WEBHOOK_S_MAX one is handed over marked unordered, and quarantin
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable
@@ -59,6 +64,7 @@ from halfway.contract import (
 from halfway.contract.topics import JOURNAL, TASKS, WEBHOOKS, TopicSpec
 from halfway.contract.webhooks import WebhookReceived
 from halfway.core.fold import StepStatus, TaskState, TaskStatus, apply
+from halfway.journal import snapshots as snaps
 from halfway.journal.reader import EventConsumer
 from halfway.journal.writer import JournalWriter
 from halfway.settings import KafkaSettings
@@ -70,6 +76,8 @@ OnEvent = Callable[[TaskState | None, TaskState, int], None]
 # ...and partitions (numbers) newly assigned, before their replay starts, or revoked.
 OnAssign = Callable[[set[int]], Awaitable[None]]
 OnRevoke = Callable[[set[int]], None]
+# `HALFWAY_SNAPSHOTS=off`: never read or write snapshots (every restart replays from zero).
+SNAPSHOTS_ENV = "HALFWAY_SNAPSHOTS"
 # How long one fetch waits when the journal is quiet: also the latency of a timer the service
 # set (a due lookup) being acted on.
 IDLE_FETCH_MS = 100
@@ -100,8 +108,12 @@ class _Partition:
     caught_up: bool = False
     tasks: set[str] = field(default_factory=set)
     # Webhooks partitions: every webhook below this offset has been weighed by some instance
-    # (the group's committed offset); the journal never commits.
+    # (the group's committed offset).
     noticed_to: int = 0
+    # Journal partitions: records applied since the last snapshot, and when that was
+    # (monotonic; the adoption counts as one).
+    since_snapshot: int = 0
+    snapshot_s: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,10 +149,14 @@ class JournalFollower:
                  on_change: OnChange, side: TopicSpec | None = None,
                  on_event: OnEvent | None = None, on_assign: OnAssign | None = None,
                  on_revoke: OnRevoke | None = None, app_label: str | None = None,
-                 seal_after_s: float | None = None) -> None:
+                 seal_after_s: float | None = None, snapshots: bool = False) -> None:
         assert side in (None, TASKS, WEBHOOKS), "side topics must be keyed by task id"
+        assert not (snapshots and on_event), "a restored state skips the per-event hook"
         topics: tuple[TopicSpec, ...] = (JOURNAL,) if side is None else (JOURNAL, side)
         self.group = group
+        self._settings = settings
+        self._side = None if side is None else side.name(settings.topic_prefix)
+        self._writer = writer
         self._journal = JOURNAL.name(settings.topic_prefix)
         self._webhooks = WEBHOOKS.name(settings.topic_prefix) if side is WEBHOOKS else None
         self._consumer = EventConsumer(settings, topics=topics, group=group, writer=writer,
@@ -172,6 +188,14 @@ class JournalFollower:
         # Per journal partition, ended tasks in the order their last event came: (at, id).
         self._ended: dict[int, deque[tuple[datetime, str]]] = {}
         self._ended_last: dict[str, datetime] = {}  # task id -> `at` of its newest entry
+        # Snapshots: the journal records folded into each task's state since it was last
+        # sealed (all of them for a live task), which is what an image of its partition holds.
+        self.snapshots = snapshots and os.environ.get(SNAPSHOTS_ENV, "on").lower() != "off"
+        self._history: dict[str, list[tuple[int, Event]]] = {}
+        self._snapshotting: asyncio.Task[None] | None = None
+        self._snapshot_every_s = snaps.every_s()
+        self.snapshot_written_s: float | None = None  # monotonic, the last one written
+        self.restored: dict[int, int] = {}  # partition -> offset its snapshot was taken at
         self._applied_counters = {name: metrics.EVENTS_APPLIED.labels(group, name)
                                   for name in (t.name(settings.topic_prefix) for t in topics)}
         metrics.watch(self)
@@ -201,6 +225,7 @@ class JournalFollower:
                 await self._commit_webhooks()
                 async with self._progress:
                     self._progress.notify_all()
+                self._maybe_snapshot()
                 ready = self._take_ready()
                 if ready:
                     try:
@@ -216,6 +241,10 @@ class JournalFollower:
             for handle in self._retries.values():
                 handle.cancel()
             self._retries.clear()
+            if self._snapshotting is not None:
+                self._snapshotting.cancel()
+                with contextlib.suppress(BaseException):
+                    await self._snapshotting
 
     # -- what services call ----------------------------------------------------------------
 
@@ -347,19 +376,22 @@ class JournalFollower:
                                   partition=tp.partition, held=len(held))
             return
         part.tasks.add(event.task_id)
+        part.since_snapshot += 1
         if isinstance(event, StepSettled):
             metrics.STEPS_SETTLED.labels(self.group, event.outcome.value,
                                          event.source.value).inc()
-        if isinstance(event, StepAttempted | CompensationAttempted):
-            self.first_attempt.setdefault(event.key, offset)
-        if isinstance(event, TaskRequested) and tp.topic != self._journal:
+        if tp.topic != self._journal:
+            if not isinstance(event, TaskRequested):
+                # Callers write the tasks topic: what they write there is a request or
+                # nothing. Folding anything else would let a caller settle a step.
+                self._log.warning("ignored: not a request, on the tasks topic",
+                                  type=event.type, task_id=event.task_id, offset=offset)
+                return
             self.requests.setdefault(event.task_id, event)
         elif event.task_id in self.sealed and not isinstance(event, TaskRequested):
             return  # late news of a sealed task: not folded (see the module docstring)
         else:
-            before = self.states.get(event.task_id)
-            after = apply(before or TaskState(task_id=event.task_id), event)
-            self.states[event.task_id] = after
+            before, after = self._fold(event, offset)
             if self._on_event is not None and after is not before:
                 self._on_event(before, after, tp.partition)
             if self._seal_after is not None:
@@ -369,6 +401,17 @@ class JournalFollower:
                     self._ended_last[event.task_id] = event.at
                 self._seal_due(tp.partition, event.at)
         self._dirty.add(event.task_id)
+
+    def _fold(self, event: Event, offset: int) -> tuple[TaskState | None, TaskState]:
+        """Fold one journal record into its task's state (and the snapshot's history)."""
+        if isinstance(event, StepAttempted | CompensationAttempted):
+            self.first_attempt.setdefault(event.key, offset)
+        before = self.states.get(event.task_id)
+        after = apply(before or TaskState(task_id=event.task_id), event)
+        self.states[event.task_id] = after
+        if self.snapshots:
+            self._history.setdefault(event.task_id, []).append((offset, event))
+        return before, after
 
     def _seal_due(self, number: int, now: datetime) -> None:
         """Seal the tasks of journal partition `number` that ended `seal_after` before `now`
@@ -383,9 +426,9 @@ class JournalFollower:
             state = self.states.get(task_id)
             if state is None or not settled_for_good(state):
                 continue  # needs attention, or an effect is open: its next event re-enters it
-            self.states[task_id] = TaskState(task_id=task_id, status=state.status,
-                                             finished=state.finished, rejected=state.rejected)
+            self.states[task_id] = TaskState(task_id=task_id, status=state.status)
             self.sealed.add(task_id)
+            self._history.pop(task_id, None)
             self.requests.pop(task_id, None)
             self._weighable.pop(task_id, None)
             self._failures.pop(task_id, None)
@@ -521,6 +564,7 @@ class JournalFollower:
             self._paused.discard(tp)
             if tp.topic == self._journal:
                 self._ended.pop(tp.partition, None)
+                self.restored.pop(tp.partition, None)
             if tp.topic != self._journal:
                 for item in self._held.pop(tp.partition, ()):
                     self._held_tasks[item.hook.task_id or ""] -= 1
@@ -529,6 +573,7 @@ class JournalFollower:
                 if not any(task_id in p.tasks for p in self._partitions.values()):
                     state = self.states.pop(task_id, None)
                     self.requests.pop(task_id, None)
+                    self._history.pop(task_id, None)
                     self._weighable.pop(task_id, None)
                     for step in (state.steps.values() if state is not None else ()):
                         self.first_attempt.pop(step.intent.key, None)
@@ -558,8 +603,135 @@ class JournalFollower:
             self._partitions[tp] = _Partition(end_at_assign=ends[tp])
             if tp.topic == self._webhooks:
                 self._partitions[tp].noticed_to = await kafka.committed(tp) or 0
-        await kafka.seek_to_beginning(*new)  # replay: the journal is the only state
-        self._log.info("partitions assigned", partitions=sorted(tp.partition for tp in new))
+        images = await self._images(new)
+        replay = []
+        for tp in new:
+            image = images.get(tp.partition)
+            if image is None:
+                replay.append(tp)
+            elif tp.topic == self._journal:
+                self._restore(tp, image)
+                kafka.seek(tp, image.journal_next)
+            elif image.side_next is not None:
+                self._partitions[tp].applied_to = image.side_next - 1
+                kafka.seek(tp, image.side_next)
+            else:
+                replay.append(tp)
+        if replay:
+            await kafka.seek_to_beginning(*replay)  # replay: the journal is the only state
+        self._log.info("partitions assigned", partitions=sorted(tp.partition for tp in new),
+                       restored=sorted(images))
+
+    # -- snapshots (halfway.journal.snapshots) ---------------------------------------------
+
+    async def _images(self, new: list[TopicPartition]) -> dict[int, snaps.Image]:
+        """Usable snapshots of the journal partitions newly owned whose side partition (if
+        any) is newly owned too: the image covers both."""
+        if not self.snapshots:
+            return {}
+        numbers = {tp.partition for tp in new}
+        journal = [tp for tp in new if tp.topic == self._journal
+                   and (self._side is None or TopicPartition(self._side, tp.partition) in new)]
+        if not journal:
+            return {}
+        images = await snaps.load(self._settings, self.group, journal)
+        return {n: image for n, image in images.items() if n in numbers}
+
+    def _restore(self, tp: TopicPartition, image: snaps.Image) -> None:
+        """The state the journal before `image.journal_next` gives, from its image."""
+        part = self._partitions[tp]
+        for task_id, status in image.sealed:
+            self.states[task_id] = TaskState(task_id=task_id, status=TaskStatus(status))
+            self.sealed.add(task_id)
+            part.tasks.add(task_id)
+        for offset, event in image.events:
+            self._fold(event, offset)
+            part.tasks.add(event.task_id)
+        side = None if self._side is None else self._partitions.get(
+            TopicPartition(self._side, tp.partition))
+        for request in image.requests:
+            self.requests.setdefault(request.task_id, request)
+            if side is not None:
+                side.tasks.add(request.task_id)
+        if image.ended:
+            self._ended[tp.partition] = deque(image.ended)
+            for at, task_id in image.ended:
+                self._ended_last[task_id] = at
+        part.applied_to = image.journal_next - 1
+        self.restored[tp.partition] = image.journal_next
+
+    def image(self, number: int) -> snaps.Image | None:
+        """The image of journal partition `number` now (between two batches), if owned."""
+        tp = TopicPartition(self._journal, number)
+        part = self._partitions.get(tp)
+        if part is None:
+            return None
+        events = sorted((item for task_id in part.tasks
+                         for item in self._history.get(task_id, ())), key=lambda item: item[0])
+        sealed = [(t, str(self.states[t].status)) for t in part.tasks if t in self.sealed]
+        side_tp = None if self._side is None else TopicPartition(self._side, number)
+        side = None if side_tp is None else self._partitions.get(side_tp)
+        requests, side_next = [], None
+        if side is not None:
+            requests = [self.requests[t] for t in side.tasks if t in self.requests]
+            side_next = side.applied_to + 1
+            if self._side == self._webhooks:
+                # Webhooks not weighed yet are read again after a restore; the journal has the
+                # outcome of every one weighed (at or after the image's offset, in its tail).
+                pending = [h.offset for h in self._held.get(number, ())]
+                pending += [h.offset for items in self._weighable.values() for h in items
+                            if h.partition == number]
+                side_next = min([side_next, side.noticed_to, *pending])
+        return snaps.Image(partition=number, journal_next=part.applied_to + 1,
+                               side_next=side_next, events=events, requests=requests,
+                               sealed=sealed, ended=list(self._ended.get(number, ())))
+
+    def _maybe_snapshot(self) -> None:
+        """Start writing one due snapshot (one at a time, in the background)."""
+        if not self.snapshots or (self._snapshotting and not self._snapshotting.done()):
+            return
+        now_s = time.monotonic()
+        for tp, part in self._partitions.items():
+            if tp.topic != self._journal or not part.caught_up or part.applied_to < 0:
+                continue
+            side = None if self._side is None else self._partitions.get(
+                TopicPartition(self._side, tp.partition))
+            if side is not None and not side.caught_up:
+                continue
+            age_s = now_s - part.snapshot_s
+            if not (part.since_snapshot >= snaps.EVERY_RECORDS
+                    or (part.since_snapshot and age_s >= self._snapshot_every_s)
+                    or age_s >= snaps.REFRESH_S):
+                continue
+            image = self.image(tp.partition)
+            assert image is not None
+            part.since_snapshot, part.snapshot_s = 0, now_s
+            self._snapshotting = asyncio.create_task(self._write_snapshot(tp, image))
+            return
+
+    async def _write_snapshot(self, tp: TopicPartition, image: snaps.Image) -> None:
+        started = time.monotonic()
+        try:
+            blob = await asyncio.to_thread(snaps.encode, image)
+            if len(blob) > snaps.IMAGE_BYTES_MAX:
+                self._log.warning("partition too large to snapshot: its restart replays it",
+                                  partition=tp.partition, bytes=len(blob))
+                return
+            pointer = await snaps.write(self._writer, self.group, image, blob)
+            if tp not in self._partitions:
+                return  # revoked meanwhile: the new owner has its own
+            await self._consumer.kafka.commit({tp: (image.journal_next, pointer.metadata())})
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a rebalance, the broker: the next one is due soon anyway
+            self._log.warning("snapshot not written", partition=tp.partition,
+                              error=f"{type(exc).__name__}: {exc}"[:300])
+            return
+        self.snapshot_written_s = time.monotonic()
+        self._log.info("snapshot written", partition=tp.partition,
+                       journal_next=image.journal_next, live_events=len(image.events),
+                       sealed=len(image.sealed), bytes=len(blob),
+                       seconds=round(self.snapshot_written_s - started, 3))
 
 
 async def run_until_cancelled(*coros: Awaitable[None]) -> None:

@@ -77,7 +77,7 @@ class Reconciler(StepWorker):
         self.follower = JournalFollower(settings, group=group, writer=writer,
                                         on_change=self._on_change, side=WEBHOOKS,
                                         app_label=app_label,
-                                        seal_after_s=env.seal_after_s())
+                                        seal_after_s=env.seal_after_s(), snapshots=True)
         self._slots = asyncio.Semaphore(LOOKUPS_IN_FLIGHT_MAX)
         self._log = log.get("halfway.reconciler")
 

@@ -1,0 +1,273 @@
+"""Snapshots: a restart reads a partition's live state, then only the journal after it.
+
+A follower (decider, executor, reconciler) owns journal partitions; without a snapshot, taking
+one over means folding it from offset zero, which grows with all history. A snapshot is the
+follower's *image* of one partition at a journal offset X: the journal events of every task
+that is not sealed (in log order, with their offsets), the ids of sealed tasks with how they
+ended, the queue of ended tasks waiting to be sealed, the requests read from the side topic and
+where the side topic was read to. Restoring refolds the live events, which is work in
+proportion to live tasks, and the journal is read from X on.
+
+Where it lives, Kafka-native and without a second source of truth:
+- the image, compressed, in chunks on the `snapshots` topic (time retention: a snapshot is
+  disposable), keyed by group and partition;
+- a pointer to it (chunk offsets, sizes, a sha256 of the image) in the *commit metadata* of the
+  follower's own group on the journal partition, committed with offset X. Kafka keeps the
+  pointer and the offset together, atomically, per group and partition, and a restarting
+  follower reads both in one request. The group's committed offset had no other use: every
+  follower seeks its journal partitions itself.
+
+A snapshot is only an optimisation. Whatever goes wrong reading it (no pointer, an older
+format, chunks gone with retention, a digest or a decode that fails) is logged and the
+partition is replayed from zero, which gives the same state (a test checks they agree).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import struct
+import time
+import zlib
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from pydantic import TypeAdapter
+
+from halfway import log
+from halfway.contract import Event, TaskRequested
+from halfway.contract.topics import SNAPSHOTS
+from halfway.journal.limits import fetch_limits
+from halfway.journal.writer import JournalWriter
+from halfway.settings import KafkaSettings
+
+FORMAT = 1
+MAGIC = b"halfway-snapshot\n"
+# When a follower writes a partition's snapshot: after this many records applied since the
+# last one, or this long after it with anything applied, or this long after it regardless (so
+# the pointed-to chunks never age out of the topic's retention on a quiet journal).
+EVERY_RECORDS = 50_000
+EVERY_S = 300.0
+REFRESH_S = 86_400.0
+EVERY_S_ENV = "HALFWAY_SNAPSHOT_EVERY_S"  # EVERY_S, for tests and operators
+
+
+def every_s() -> float:
+    raw = os.environ.get(EVERY_S_ENV, "").strip()
+    return float(raw) if raw else EVERY_S
+# Chunks stay well under the broker's record limit (halfway.journal.limits).
+CHUNK_BYTES = 512 * 1024
+# Past this (compressed) a partition is not snapshotted: its restart replays from zero, logged.
+IMAGE_BYTES_MAX = 512 * 1024 * 1024
+# Reading one snapshot back: the records scanned past the first chunk (other partitions'
+# chunks share the topic partition) and the time allowed, before giving up on it.
+READ_RECORDS_MAX = 100_000
+READ_TIMEOUT_S = 60.0
+COMPRESS_LEVEL = 1  # speed over size: the image is read back at every restart
+
+_EVENTS = TypeAdapter(list[Event])
+_REQUESTS = TypeAdapter(list[TaskRequested])
+_LEN = struct.Struct(">Q")
+
+
+@dataclass
+class Image:
+    """A follower's state of one journal partition, just before journal offset `journal_next`."""
+
+    partition: int
+    journal_next: int
+    side_next: int | None  # where to read the side topic's partition of the same number from
+    events: list[tuple[int, Event]] = field(default_factory=list)  # (offset, event), log order
+    requests: list[TaskRequested] = field(default_factory=list)
+    sealed: list[tuple[str, str]] = field(default_factory=list)  # (task id, its status)
+    ended: list[tuple[datetime, str]] = field(default_factory=list)  # waiting to be sealed
+
+
+class UnusableSnapshot(Exception):
+    """Why a snapshot cannot be used: the partition is replayed from zero instead."""
+
+
+def encode(image: Image) -> bytes:
+    header = {"v": FORMAT, "partition": image.partition, "journal_next": image.journal_next,
+              "side_next": image.side_next, "offsets": [o for o, _ in image.events],
+              "sealed": image.sealed,
+              "ended": [[at.isoformat(), task_id] for at, task_id in image.ended]}
+    parts = [json.dumps(header, separators=(",", ":")).encode(),
+             _EVENTS.dump_json([e for _, e in image.events]),
+             _REQUESTS.dump_json(image.requests)]
+    body = b"".join(_LEN.pack(len(p)) + p for p in parts)
+    return MAGIC + zlib.compress(body, COMPRESS_LEVEL)
+
+
+def decode(blob: bytes) -> Image:
+    if not blob.startswith(MAGIC):
+        raise UnusableSnapshot("not a snapshot (no magic)")
+    try:
+        body = zlib.decompress(blob[len(MAGIC):])
+        parts, at = [], 0
+        for _ in range(3):
+            (n,) = _LEN.unpack_from(body, at)
+            parts.append(body[at + _LEN.size:at + _LEN.size + n])
+            at += _LEN.size + n
+        header = json.loads(parts[0])
+        if header.get("v") != FORMAT:
+            raise UnusableSnapshot(f"format {header.get('v')!r}, this build reads {FORMAT}")
+        events = _EVENTS.validate_json(parts[1])
+        offsets = header["offsets"]
+        if len(offsets) != len(events):
+            raise UnusableSnapshot("event offsets and events differ in number")
+        return Image(
+            partition=int(header["partition"]), journal_next=int(header["journal_next"]),
+            side_next=None if header["side_next"] is None else int(header["side_next"]),
+            events=list(zip(offsets, events, strict=True)),
+            requests=_REQUESTS.validate_json(parts[2]),
+            sealed=[(str(t), str(s)) for t, s in header["sealed"]],
+            ended=[(datetime.fromisoformat(at), str(t)) for at, t in header["ended"]])
+    except UnusableSnapshot:
+        raise
+    except Exception as exc:  # zlib, struct, JSON or validation: a corrupt image
+        raise UnusableSnapshot(f"corrupt image: {type(exc).__name__}: {str(exc)[:300]}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class Pointer:
+    """What the group's commit metadata says of a snapshot: where its chunks are."""
+
+    snapshot_id: str
+    topic_partition: int
+    first_offset: int
+    chunks: int
+    size: int
+    sha256: str
+
+    def metadata(self) -> str:
+        # The broker keeps at most `offset.metadata.max.bytes` (4096 by default): ~200 here.
+        return json.dumps({"v": FORMAT, "id": self.snapshot_id, "p": self.topic_partition,
+                           "o": self.first_offset, "n": self.chunks, "b": self.size,
+                           "h": self.sha256}, separators=(",", ":"))
+
+    @classmethod
+    def parse(cls, metadata: str) -> Pointer:
+        try:
+            m: dict[str, Any] = json.loads(metadata)
+            if m.get("v") != FORMAT:
+                raise UnusableSnapshot(f"pointer format {m.get('v')!r}")
+            return cls(str(m["id"]), int(m["p"]), int(m["o"]), int(m["n"]), int(m["b"]),
+                       str(m["h"]))
+        except UnusableSnapshot:
+            raise
+        except Exception as exc:
+            raise UnusableSnapshot(f"unreadable pointer: {type(exc).__name__}") from exc
+
+
+def key_of(group: str, partition: int) -> bytes:
+    return f"{group}/{partition}".encode()
+
+
+async def write(writer: JournalWriter, group: str, image: Image, blob: bytes) -> Pointer:
+    """Append the image's chunks (acks=all, in order) and return the pointer to commit."""
+    snapshot_id = f"{image.partition}-{image.journal_next}-{int(time.time() * 1000)}"
+    chunks = [blob[i:i + CHUNK_BYTES] for i in range(0, len(blob), CHUNK_BYTES)] or [b""]
+    first: Any = None
+    for i, chunk in enumerate(chunks):
+        sent = await writer.append_raw(
+            SNAPSHOTS, chunk, key=key_of(group, image.partition),
+            headers=[("snapshot", snapshot_id.encode()), ("chunk", f"{i}/{len(chunks)}".encode())])
+        if first is None:
+            first = sent
+    return Pointer(snapshot_id, first.partition, first.offset, len(chunks), len(blob),
+                   hashlib.sha256(blob).hexdigest())
+
+
+async def pointers(settings: KafkaSettings, group: str,
+                   tps: list[TopicPartition]) -> dict[TopicPartition, tuple[int, str]]:
+    """The group's committed (offset, metadata) of each journal partition that has one."""
+    admin = AIOKafkaAdminClient(**settings.client())
+    await admin.start()
+    try:
+        committed = await admin.list_consumer_group_offsets(group, partitions=tps)
+    finally:
+        await admin.close()
+    return {tp: (om.offset, om.metadata or "") for tp, om in committed.items()
+            if om is not None and om.offset is not None and om.offset >= 0}
+
+
+async def read(settings: KafkaSettings, group: str, partition: int, pointer: Pointer) -> bytes:
+    """The image's bytes, checked against the pointer. Raises UnusableSnapshot."""
+    tp = TopicPartition(SNAPSHOTS.name(settings.topic_prefix), pointer.topic_partition)
+    key = key_of(group, partition)
+    consumer = AIOKafkaConsumer(**settings.client(), group_id=None, enable_auto_commit=False,
+                                **fetch_limits())
+    await consumer.start()
+    try:
+        consumer.assign([tp])
+        start = (await consumer.beginning_offsets([tp]))[tp]
+        if start > pointer.first_offset:
+            raise UnusableSnapshot("its chunks were deleted (retention)")
+        consumer.seek(tp, pointer.first_offset)
+        chunks: list[bytes] = []
+        scanned = 0
+        async with asyncio.timeout(READ_TIMEOUT_S):
+            while len(chunks) < pointer.chunks:
+                batch = await consumer.getmany(tp, timeout_ms=1000)
+                records = batch.get(tp, [])
+                if not records and await consumer.position(tp) >= (
+                        await consumer.end_offsets([tp]))[tp]:
+                    raise UnusableSnapshot(f"only {len(chunks)} of {pointer.chunks} chunks")
+                for record in records:
+                    scanned += 1
+                    headers = dict(record.headers or ())
+                    if (record.key == key
+                            and headers.get("snapshot") == pointer.snapshot_id.encode()):
+                        chunks.append(record.value or b"")
+                if scanned > READ_RECORDS_MAX + pointer.chunks:
+                    raise UnusableSnapshot(f"chunks not found within {READ_RECORDS_MAX} records")
+    except TimeoutError:
+        raise UnusableSnapshot(f"not read within {READ_TIMEOUT_S:.0f} s") from None
+    finally:
+        await consumer.stop()
+    blob = b"".join(chunks[:pointer.chunks])
+    if len(blob) != pointer.size or hashlib.sha256(blob).hexdigest() != pointer.sha256:
+        raise UnusableSnapshot("its digest does not match the pointer")
+    return blob
+
+
+async def load(settings: KafkaSettings, group: str,
+               tps: list[TopicPartition]) -> dict[int, Image]:
+    """The usable image of each journal partition in `tps`; the others replay from zero."""
+    logger = log.get("halfway.snapshots", group=group)
+    try:
+        committed = await pointers(settings, group, tps)
+    except Exception as exc:
+        logger.warning("no snapshots read: the group's commits could not be fetched",
+                       error=f"{type(exc).__name__}: {exc}"[:300])
+        return {}
+    images: dict[int, Image] = {}
+    for tp, (offset, metadata) in committed.items():
+        if not metadata:
+            continue
+        started = time.monotonic()
+        try:
+            pointer = Pointer.parse(metadata)
+            image = await asyncio.to_thread(
+                decode, await read(settings, group, tp.partition, pointer))
+            if image.partition != tp.partition or image.journal_next != offset:
+                raise UnusableSnapshot("it describes another partition or offset")
+        except UnusableSnapshot as exc:
+            logger.warning("snapshot not used; the partition is replayed from zero",
+                           partition=tp.partition, reason=str(exc))
+            continue
+        except Exception as exc:
+            logger.warning("snapshot not read; the partition is replayed from zero",
+                           partition=tp.partition, error=f"{type(exc).__name__}: {exc}"[:300])
+            continue
+        logger.info("snapshot read", partition=tp.partition, journal_next=image.journal_next,
+                    live_events=len(image.events), sealed=len(image.sealed),
+                    bytes=pointer.size, seconds=round(time.monotonic() - started, 3))
+        images[tp.partition] = image
+    return images

@@ -1,0 +1,264 @@
+"""Snapshots: restoring a partition's image and reading the journal after it gives exactly the
+state a replay from zero gives; an unusable snapshot falls back to that replay.
+
+The equality is a property over generated logs (tasks of every kind interleaved, requests on
+the side topic, late news of sealed tasks, duplicate starts, the journal's clock running over
+days so that some tasks are sealed before the image and some after) and every cut point; the
+image goes through its byte encoding on the way. Then, against the real broker: a decider
+restarted after its snapshot was written restores it, and a snapshot whose chunks were tampered
+with is refused and the partition replayed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from aiokafka import TopicPartition
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from halfway.contract import Event, FinalState, Outcome, SettlementSource
+from halfway.contract.topics import JOURNAL, TASKS
+from halfway.journal import snapshots
+from halfway.journal.follower import JournalFollower, _Partition
+from halfway.journal.writer import JournalWriter
+from halfway.settings import KafkaSettings
+from tests.factories import Stamper
+from tests.processes import Cluster, charges_for, renewal_request, stop
+
+pytest_plugins = ["tests.processes"]
+
+SETTINGS = KafkaSettings(bootstrap="127.0.0.1:1", topic_prefix="snap.", replication_factor=1)
+JOURNAL_TP = TopicPartition("snap.journal", 0)
+SIDE_TP = TopicPartition("snap.tasks", 0)
+DAY = timedelta(days=1)
+BASE = datetime(2026, 11, 20, tzinfo=UTC)
+
+MADE: list[tuple[JournalFollower, JournalWriter]] = []
+
+
+def follower() -> JournalFollower:
+    """A decider-like follower (tasks as its side topic) that is never started."""
+    async def nothing(_tasks: set[str]) -> None:
+        return None
+
+    writer = JournalWriter(SETTINGS)
+    f = JournalFollower(SETTINGS, group="snap.decider", writer=writer, on_change=nothing,
+                        side=TASKS, seal_after_s=DAY.total_seconds(), snapshots=True)
+    f._partitions[JOURNAL_TP] = _Partition(end_at_assign=0)
+    f._partitions[SIDE_TP] = _Partition(end_at_assign=0)
+    MADE.append((f, writer))
+    return f
+
+
+@pytest.fixture(autouse=True)
+async def _close_clients() -> AsyncIterator[None]:
+    yield
+    while MADE:
+        f, writer = MADE.pop()
+        await f.stop()
+        await writer.stop()
+
+
+Record = tuple[TopicPartition, Event]
+
+
+def task_records(kind: str, task_id: str, at: datetime) -> list[Record]:
+    s = Stamper(task_id, now=at, tick=timedelta(minutes=7))
+    request = [(SIDE_TP, s.requested())]
+    if kind == "rejected":
+        return [*request, (JOURNAL_TP, s.rejected())]
+    opened = [*request, (JOURNAL_TP, s.started()), (JOURNAL_TP, s.intended(1)),
+              (JOURNAL_TP, s.attempted(1, 1))]
+    if kind == "running":
+        return opened
+    if kind == "unknown":
+        return [*opened, (JOURNAL_TP, s.settled(1, Outcome.UNKNOWN, attempt=1)),
+                (JOURNAL_TP, s.finished(FinalState.NEEDS_ATTENTION))]
+    done = [*opened, (JOURNAL_TP, s.settled(1, Outcome.DONE, attempt=1,
+                                            evidence={"charge_id": f"ch_{task_id}"})),
+            (JOURNAL_TP, s.finished(FinalState.SUCCEEDED))]
+    if kind == "late":  # news after its end, a day and more later: maybe sealed by then
+        s.now += 2 * DAY
+        return [*done, (JOURNAL_TP, s.settled(1, Outcome.DONE, source=SettlementSource.WEBHOOK,
+                                              evidence={"charge_id": "ch_other"})),
+                (SIDE_TP, s.requested()), (JOURNAL_TP, s.requested())]
+    return done
+
+
+@st.composite
+def logs(draw: Any) -> list[Record]:
+    kinds = draw(st.lists(st.sampled_from(["done", "rejected", "running", "unknown", "late"]),
+                          min_size=1, max_size=12))
+    per_task = [task_records(kind, f"t{i}-{kind}",
+                             BASE + timedelta(hours=draw(st.integers(0, 24 * 5))))
+                for i, kind in enumerate(kinds)]
+    # Interleave the tasks, each one's records in its own order (one partition's log).
+    order = draw(st.permutations([i for i, recs in enumerate(per_task) for _ in recs]))
+    cursors = [0] * len(per_task)
+    out = []
+    for i in order:
+        out.append(per_task[i][cursors[i]])
+        cursors[i] += 1
+    return out
+
+
+def feed(f: JournalFollower, records: list[Record], offsets: dict[TopicPartition, int]) -> None:
+    """Apply records as the run loop would, positions moving with them."""
+    for tp, event in records:
+        offset = offsets[tp]
+        f._apply(event, tp, offset)
+        f._partitions[tp].applied_to = offset
+        offsets[tp] = offset + 1
+
+
+def positions(records: list[Record]) -> dict[TopicPartition, int]:
+    return {tp: sum(1 for t, _ in records if t == tp) for tp in (JOURNAL_TP, SIDE_TP)}
+
+
+def view(f: JournalFollower) -> dict[str, Any]:
+    """Everything a follower's decisions depend on."""
+    return {"states": f.states, "sealed": f.sealed, "requests": f.requests,
+            "first_attempt": f.first_attempt, "ended": {n: list(d) for n, d in f._ended.items()},
+            "ended_last": f._ended_last, "history": f._history,
+            "applied_to": {tp: p.applied_to for tp, p in f._partitions.items()}}
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(log=logs(), data=st.data())
+async def test_snapshot_and_tail_give_the_state_a_replay_from_zero_gives(
+        log: list[Record], data: Any) -> None:
+    cut = data.draw(st.integers(0, len(log)))
+    head, tail = log[:cut], log[cut:]
+
+    replayed = follower()
+    feed(replayed, log, {JOURNAL_TP: 0, SIDE_TP: 0})
+
+    before = follower()
+    feed(before, head, {JOURNAL_TP: 0, SIDE_TP: 0})
+    image = before.image(0)
+    assert image is not None
+    assert image.journal_next == positions(head)[JOURNAL_TP]
+    assert image.side_next == positions(head)[SIDE_TP]
+
+    restored = follower()
+    restored._restore(JOURNAL_TP, snapshots.decode(snapshots.encode(image)))
+    restored._partitions[SIDE_TP].applied_to = image.side_next - 1
+    feed(restored, tail, {JOURNAL_TP: image.journal_next, SIDE_TP: image.side_next})
+
+    assert view(restored) == view(replayed)
+    # The image holds live work, not history: no event of a sealed task from before it.
+    live = {task_id for _, event in image.events for task_id in [event.task_id]}
+    assert all(t not in before.sealed or any(
+        o >= 0 and e.task_id == t for o, e in before._history.get(t, ())) for t in live)
+
+
+async def test_the_image_of_sealed_tasks_is_their_status_only() -> None:
+    old = [*task_records("done", "old", BASE), *task_records("done", "new", BASE + 3 * DAY)]
+    f = follower()
+    feed(f, old, {JOURNAL_TP: 0, SIDE_TP: 0})
+    image = f.image(0)
+    assert image is not None
+    assert f.sealed == {"old"}
+    assert image.sealed == [("old", "finished")]
+    assert {e.task_id for _, e in image.events} == {"new"}
+
+
+@pytest.mark.parametrize("damage", [
+    lambda blob: blob[:-10],
+    lambda blob: b"not a snapshot" + blob,
+    lambda blob: blob[:40] + bytes([blob[40] ^ 0xFF]) + blob[41:],
+])
+async def test_a_damaged_image_is_refused_with_a_reason(damage: Any) -> None:
+    f = follower()
+    feed(f, task_records("running", "r", BASE), {JOURNAL_TP: 0, SIDE_TP: 0})
+    image = f.image(0)
+    assert image is not None
+    with pytest.raises(snapshots.UnusableSnapshot):
+        snapshots.decode(damage(snapshots.encode(image)))
+
+
+def test_an_unreadable_pointer_is_refused() -> None:
+    with pytest.raises(snapshots.UnusableSnapshot):
+        snapshots.Pointer.parse('{"v": 99}')
+    with pytest.raises(snapshots.UnusableSnapshot):
+        snapshots.Pointer.parse("garbage")
+
+
+# -- through the broker --------------------------------------------------------------------
+
+
+async def _commit(settings: KafkaSettings, group: str, tp: TopicPartition,
+                  offset: int, metadata: str) -> None:
+    from aiokafka import AIOKafkaConsumer
+
+    consumer = AIOKafkaConsumer(**settings.client(), group_id=group, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        consumer.assign([tp])
+        await consumer.commit({tp: (offset, metadata)})
+    finally:
+        await consumer.stop()
+
+
+@pytest.mark.broker
+async def test_a_snapshot_round_trips_through_the_broker_and_a_tampered_one_is_refused(
+        topics: KafkaSettings, writer: JournalWriter) -> None:
+    f = follower()
+    records = [*task_records("running", "live-1", BASE), *task_records("done", "old-1", BASE),
+               *task_records("done", "new-1", BASE + 3 * DAY)]
+    feed(f, records, {JOURNAL_TP: 0, SIDE_TP: 0})
+    image = f.image(0)
+    assert image is not None
+    blob = snapshots.encode(image)
+    group = "snap-test-decider"
+    tp = TopicPartition(JOURNAL.name(topics.topic_prefix), 0)
+    pointer = await snapshots.write(writer, group, image, blob)
+    await _commit(topics, group, tp, image.journal_next, pointer.metadata())
+
+    images = await snapshots.load(topics, group, [tp])
+    assert images[0].events == image.events
+    assert images[0].sealed == [("old-1", "finished")]
+
+    # A pointer whose digest does not match what the chunks hold: refused, nothing restored.
+    forged = snapshots.Pointer(pointer.snapshot_id, pointer.topic_partition,
+                               pointer.first_offset, pointer.chunks, pointer.size, "0" * 64)
+    await _commit(topics, group, tp, image.journal_next, forged.metadata())
+    assert await snapshots.load(topics, group, [tp]) == {}
+    # And one that names another offset than the commit's: refused too.
+    await _commit(topics, group, tp, image.journal_next + 1, pointer.metadata())
+    assert await snapshots.load(topics, group, [tp]) == {}
+
+
+@pytest.mark.broker
+async def test_a_restarted_decider_restores_its_snapshot_and_acts_the_same(core: Cluster) -> None:
+    """A decider that wrote snapshots is stopped and tasks are requested meanwhile; the next
+    one restores the partitions that have a snapshot, asks nothing again for the tasks before
+    them, and finishes the new tasks: one charge per task."""
+    often = {"HALFWAY_SNAPSHOT_EVERY_S": "0"}  # a snapshot after every batch with news
+    first = await core.start("decider", **often)
+    await core.start("executor", **often)
+    before = [f"snap-before-{i}" for i in range(4)]
+    await core.publish(*(renewal_request(t) for t in before))
+    await core.journal.until_finished(before)
+    await first.until_logged("snapshot written")
+    await stop(first)
+    asked_before = len(core.model_calls())
+
+    after = [f"snap-after-{i}" for i in range(4)]
+    await core.publish(*(renewal_request(t) for t in after))
+    second = await core.start("decider", **often)
+    (assigned,) = await second.until_logged("partitions assigned")
+    states = await core.journal.until_finished(after)
+
+    written = {e["partition"] for e in first.logged("snapshot written")}
+    assert set(assigned["restored"]) == written  # every partition with a snapshot restored it
+    assert all(s.final_state is FinalState.SUCCEEDED for s in states.values())
+    asked = [c["task_id"] for c in core.model_calls()[asked_before:]]
+    assert not set(asked) & set(before), "a task finished before the restart was asked again"
+    charges = await core.ledger()
+    for task_id in [*before, *after]:
+        assert len(charges_for(charges, f"{task_id}:1")) == 1, task_id
