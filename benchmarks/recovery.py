@@ -6,14 +6,17 @@ For each size: a fresh topic prefix gets a synthetic history of finished tasks (
 requested, started, a step intended, attempted and settled done, finished: 6 per task) spread
 over the last 30 days, then one live task is requested. A decider is started as its own
 process (`halfway run decider`) and the clock runs until it acts on the live task (its
-`task.started` is in the journal). The figures: seconds from process start to that first
-action, and the decider's RSS then. Figures only; nothing passes or fails.
+`task.started` is in the journal): first cold (no snapshot: the journal from zero), kept
+running until it wrote a snapshot of every partition; then again, restoring the snapshots. The
+figures: seconds from process start to that first action, and the decider's RSS then. Figures
+only; nothing passes or fails.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 import time
@@ -134,39 +137,79 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-async def one(base: KafkaSettings, events: int) -> tuple[float, float, float]:
+async def request_probe(settings: KafkaSettings) -> str:
+    probe = f"probe-{uuid.uuid4().hex[:8]}"
+    request = history(probe, datetime.now(UTC))[0]
+    producer = AIOKafkaProducer(**settings.client())
+    await producer.start()
+    try:
+        await producer.send_and_wait(TASKS.name(settings.topic_prefix),
+                                     value=record_value(request), key=record_key(request),
+                                     headers=record_headers(request))
+    finally:
+        await producer.stop()
+    return probe
+
+
+def logged(path: Path, event: str) -> list[dict]:
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("event") == event:
+            out.append(entry)
+    return out
+
+
+async def restart(settings: KafkaSettings, label: str, *,
+                  until_snapshots: int = 0) -> tuple[float, float, Path]:
+    """Start a decider, time its first action on a fresh request, and its RSS then; with
+    `until_snapshots`, keep it running until it wrote that many snapshots."""
+    probe = await request_probe(settings)
+    env = dict(os.environ) | {"HALFWAY_TOPIC_PREFIX": settings.topic_prefix,
+                              "HALFWAY_LOG_FORMAT": "json",
+                              # Snapshot as soon as a partition caught up (a benchmark has
+                              # no five minutes to wait at the small sizes).
+                              "HALFWAY_SNAPSHOT_EVERY_S": "1"}
+    ready = asyncio.Event()
+    watcher = asyncio.create_task(first_action(settings, probe, ready))
+    await ready.wait()  # the watcher sits at the journal's end before the decider writes
+    log_path = LOG_DIR / f"decider-{label}.log"
+    with log_path.open("wb") as log_file:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "halfway.cli", "run", "decider", env=env,
+            stdout=asyncio.subprocess.DEVNULL, stderr=log_file)
+    since = time.monotonic()
+    try:
+        seconds = await watcher - since
+        rss = rss_mib(proc.pid)
+        async with asyncio.timeout(WAIT_S):
+            while len(logged(log_path, "snapshot written")) < until_snapshots:  # noqa: ASYNC110 (a log file has no notification)
+                await asyncio.sleep(0.5)
+    finally:
+        proc.terminate()
+        await proc.wait()
+    return seconds, rss, log_path
+
+
+async def one(base: KafkaSettings, events: int) -> dict[str, float]:
     settings = base.with_prefix(f"recovery-{uuid.uuid4().hex[:8]}.")
     await ensure_topics(settings, ALL_TOPICS)
     try:
         started = time.monotonic()
         await fill(settings, events)
         fill_s = time.monotonic() - started
-        probe = f"probe-{uuid.uuid4().hex[:8]}"
-        request = history(probe, datetime.now(UTC))[0]
-        producer = AIOKafkaProducer(**settings.client())
-        await producer.start()
-        await producer.send_and_wait(TASKS.name(settings.topic_prefix),
-                                     value=record_value(request), key=record_key(request),
-                                     headers=record_headers(request))
-        await producer.stop()
-        env = dict(os.environ) | {"HALFWAY_TOPIC_PREFIX": settings.topic_prefix,
-                                  "HALFWAY_LOG_FORMAT": "json"}
-        ready = asyncio.Event()
-        watcher = asyncio.create_task(first_action(settings, probe, ready))
-        await ready.wait()  # the watcher sits at the journal's end before the decider writes
-        log_path = LOG_DIR / f"decider-{events}.log"
-        with log_path.open("wb") as log_file:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "halfway.cli", "run", "decider", env=env,
-                stdout=asyncio.subprocess.DEVNULL, stderr=log_file)
-        since = time.monotonic()
-        try:
-            seconds = await watcher - since
-            rss = rss_mib(proc.pid)
-        finally:
-            proc.terminate()
-            await proc.wait()
-        return seconds, rss, fill_s
+        # Cold: no snapshot, the journal from zero; it snapshots every partition once caught up.
+        cold_s, cold_rss, _ = await restart(settings, f"{events}-cold",
+                                            until_snapshots=JOURNAL.partitions)
+        # Warm: the snapshots and the journal after them (a probe request or two).
+        warm_s, warm_rss, log_path = await restart(settings, f"{events}-warm")
+        restored = logged(log_path, "snapshot read")
+        return {"cold_s": cold_s, "cold_rss": cold_rss, "warm_s": warm_s, "warm_rss": warm_rss,
+                "restored": len(restored), "fill_s": fill_s,
+                "read_s": max((e.get("seconds", 0.0) for e in restored), default=0.0)}
     finally:
         await delete_topics(settings, ALL_TOPICS)
 
@@ -176,11 +219,13 @@ async def main() -> None:
     parser.add_argument("--events", default="10000,100000,1000000")
     args = parser.parse_args()
     base = KafkaSettings.from_env()
-    print(f"{'journal events':>15} {'restart → first action':>24} {'decider RSS':>12}"
-          f" {'(fill)':>8}")
+    print(f"{'journal events':>15} {'cold: first action':>19} {'RSS':>8}"
+          f" {'from snapshot: first action':>28} {'RSS':>8} {'restored':>9} {'(fill)':>8}")
     for events in (int(n) for n in args.events.split(",")):
-        seconds, rss, fill_s = await one(base, events)
-        print(f"{events:>15,} {seconds:>22.2f} s {rss:>8.0f} MiB {fill_s:>7.1f}s", flush=True)
+        r = await one(base, events)
+        print(f"{events:>15,} {r['cold_s']:>17.2f} s {r['cold_rss']:>4.0f} MiB"
+              f" {r['warm_s']:>26.2f} s {r['warm_rss']:>4.0f} MiB"
+              f" {r['restored']:>5.0f}/{JOURNAL.partitions} {r['fill_s']:>7.1f}s", flush=True)
 
 
 if __name__ == "__main__":

@@ -52,13 +52,15 @@ def total(samples: dict, name: str, **labels: str) -> float:
 
 async def test_each_service_serves_its_metrics(core: Cluster) -> None:
     ports = {name: free_port() for name in ("decider", "executor", "reconciler")}
-    for name, port in ports.items():
-        await core.start(name, "--metrics-port", str(port))
+    procs = {name: await core.start(name, "--metrics-port", str(port),
+                                    HALFWAY_SNAPSHOT_EVERY_S="0")  # one after each batch
+             for name, port in ports.items()}
     task_id = f"metrics-{uuid.uuid4().hex[:8]}"
     await core.publish(renewal_request(task_id, reask=False))
     state = (await core.journal.until_finished([task_id]))[task_id]
     assert state.final_state is FinalState.SUCCEEDED
 
+    await procs["decider"].until_logged("snapshot written")
     decider = await scrape(ports["decider"])
     group = f"{core.settings.topic_prefix}decider"
     assert total(decider, "halfway_events_applied_total", group=group) >= 5
@@ -69,6 +71,9 @@ async def test_each_service_serves_its_metrics(core: Cluster) -> None:
     assert caught_up
     assert all(v == 1 for v in caught_up)
     assert "halfway_consumer_lag" in decider
+    (age,) = [v for labels, v in decider["halfway_snapshot_age_seconds"]
+              if labels["group"] == group]
+    assert age >= 0  # -1 until its first snapshot, then its age
 
     executor = await scrape(ports["executor"])
     assert total(executor, "halfway_tool_call_seconds_count", tool="charge_customer",

@@ -21,6 +21,7 @@ deployment):
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -69,6 +70,13 @@ class _FollowersCollector(Collector):
                                   labels=["group", "status"])
         oldest = GaugeMetricFamily("halfway_oldest_unknown_step_seconds",
                                    "Age of the oldest step that is unknown", labels=["group"])
+        snapshot_age = GaugeMetricFamily(
+            "halfway_snapshot_age_seconds",
+            "Since this process last wrote a snapshot (-1: none yet)", labels=["group"])
+        restored = GaugeMetricFamily(
+            "halfway_partition_restored_offset",
+            "Journal offset a partition's snapshot restored it at (absent: replayed from zero)",
+            labels=["group", "partition"])
         now = datetime.now(UTC)
         for follower in list(self.followers):
             group = follower.group
@@ -87,7 +95,13 @@ class _FollowersCollector(Collector):
             for status in StepStatus:
                 steps.add_metric([group, str(status)], counts[str(status)])
             oldest.add_metric([group], oldest_s)
-        yield from (lag, caught_up, tasks, steps, oldest)
+            if getattr(follower, "snapshots", False):
+                written_s = follower.snapshot_written_s
+                snapshot_age.add_metric(
+                    [group], -1.0 if written_s is None else time.monotonic() - written_s)
+                for number, offset in list(follower.restored.items()):
+                    restored.add_metric([group, str(number)], offset)
+        yield from (lag, caught_up, tasks, steps, oldest, snapshot_age, restored)
 
 
 _COLLECTOR = _FollowersCollector()
