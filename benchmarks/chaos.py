@@ -58,7 +58,7 @@ sys.path.insert(0, str(REPO))  # `benchmarks.*` and `tests.processes`, also when
 import httpx  # noqa: E402
 from aiokafka import AIOKafkaConsumer, TopicPartition  # noqa: E402
 from aiokafka.structs import ConsumerRecord  # noqa: E402
-from benchmarks.chaos_broker import DedicatedBroker, free_ports  # noqa: E402
+from benchmarks.chaos_broker import PLACEMENT, DedicatedBroker, free_ports  # noqa: E402
 from benchmarks.chaos_gate import TcpGate  # noqa: E402
 from benchmarks.chaos_oracle import (  # noqa: E402
     Requested,
@@ -834,13 +834,15 @@ async def _run(config: ChaosConfig, run_dir: Path) -> Report:
         line = await broker.up()
         chaos_log.note("broker up", line=line)
         settings = KafkaSettings(bootstrap=broker.bootstrap, topic_prefix=TOPIC_PREFIX,
-                                 replication_factor=1)
+                                 replication_factor=1, security=broker.security("admin"))
         await ensure_topics(settings, ALL_TOPICS)
         gateway_port = free_ports(1, avoid={broker.port, broker.controller_port})[0]
         env = {k: v for k, v in os.environ.items()
                if k not in ("HALFWAY_MODEL_CALL_LOG", "HALFWAY_RECONCILER_LOOKUPS")}
-        env |= {"HALFWAY_KAFKA_BOOTSTRAP": broker.bootstrap,
-                "HALFWAY_TOPIC_PREFIX": TOPIC_PREFIX,
+        # The broker's own placement: each service finds its kind's password in its home.
+        env |= {name: broker.env()[name] for name in PLACEMENT}
+        env.pop("HALFWAY_KAFKA_BOOTSTRAP", None)
+        env |= {"HALFWAY_TOPIC_PREFIX": TOPIC_PREFIX,
                 "HALFWAY_CHARGE_TIMEOUT_S": str(config.charge_timeout_s),
                 "HALFWAY_CHARGE_KEY_TTL_S": str(config.key_ttl_s),
                 "HALFWAY_CHARGE_COMPLETES_WITHIN_S": str(config.completes_within_s),

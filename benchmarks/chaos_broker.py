@@ -22,9 +22,16 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from halfway.infra import paths
-from halfway.settings import DEFAULT_KAFKA_CONTROLLER_PORT, DEFAULT_KAFKA_PORT, HOST
+from halfway.settings import (
+    DEFAULT_KAFKA_CONTROLLER_PORT,
+    DEFAULT_KAFKA_PORT,
+    HOST,
+    dev_security,
+    kafka_dev_credentials,
+)
 
 UP_TIMEOUT_S = 180.0  # `halfway.infra up`: a format and a start, or a restart after kill -9
 DOWN_TIMEOUT_S = 90.0  # its own bounds: a 60 s controlled shutdown, then SIGKILL
@@ -70,6 +77,14 @@ class DedicatedBroker:
     @property
     def bootstrap(self) -> str:
         return f"{HOST}:{self.port}"
+
+    def security(self, kind: str) -> dict[str, Any]:
+        """How a process of `kind` authenticates to this broker (SCRAM, from the credentials
+        file `halfway.infra` wrote into its home on the first `up`)."""
+        passwords = kafka_dev_credentials(self.kafka_home / "credentials.json")
+        if passwords is None:
+            raise BrokerError(f"no credentials in {self.kafka_home}: is the broker up?")
+        return dev_security(kind, passwords)
 
     def env(self) -> dict[str, str]:
         out = {k: v for k, v in os.environ.items() if k != "HALFWAY_KAFKA_BOOTSTRAP"}

@@ -21,6 +21,7 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
 from halfway.infra import ComponentStatus, kafka, postgres
+from halfway.settings import KafkaSettings
 
 # A first `up` on a machine with an empty Maven cache downloads the broker; later ones take
 # seconds. Both stay under pytest's 300 s per-test timeout.
@@ -130,7 +131,7 @@ async def test_status_reports_both_running() -> None:
 
 @pytest.mark.broker
 async def test_broker_answers_a_metadata_request() -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers(),
+    admin = AIOKafkaAdminClient(**KafkaSettings.from_env().client(),
                                 request_timeout_ms=int(WAIT_S * 1000))
     try:
         async with asyncio.timeout(WAIT_S):
@@ -196,14 +197,20 @@ async def test_cli_rejects_an_unknown_component() -> None:
 
 
 def test_server_properties_use_the_dynamic_quorum_only() -> None:
-    text = kafka.render_server_properties(29092, 29093, Path("/x/data"))
+    text = kafka.render_server_properties(29092, 29093, Path("/x/data"), "pw")
     props = dict(
         line.split("=", 1) for line in text.splitlines() if line and not line.startswith("#")
     )
     # --standalone formatting needs the KIP-853 bootstrap servers; voters would conflict.
     assert props["controller.quorum.bootstrap.servers"] == "127.0.0.1:29093"
     assert "controller.quorum.voters" not in props
-    assert props["listeners"] == "PLAINTEXT://127.0.0.1:29092,CONTROLLER://127.0.0.1:29093"
+    assert props["listeners"] == "CLIENT://127.0.0.1:29092,CONTROLLER://127.0.0.1:29093"
+    # Clients authenticate with SCRAM; what no ACL allows is refused.
+    assert props["listener.security.protocol.map"] == (
+        "CONTROLLER:SASL_PLAINTEXT,CLIENT:SASL_PLAINTEXT")
+    assert props["listener.name.client.sasl.enabled.mechanisms"] == "SCRAM-SHA-512"
+    assert props["allow.everyone.if.no.acl.found"] == "false"
+    assert props["super.users"] == "User:admin"
     assert props["log.dirs"] == "/x/data"
     assert props["auto.create.topics.enable"] == "false"
     assert props["offsets.topic.num.partitions"] == "1"

@@ -21,7 +21,7 @@ import pytest
 from halfway import settings as env
 from halfway.contract import CompensationPlan, Event, FinalState, Outcome, SettlementSource
 from halfway.contract.events import SagaRole
-from halfway.contract.topics import JOURNAL
+from halfway.contract.topics import ALL_TOPICS, JOURNAL
 from halfway.core.fold import fold
 from halfway.journal import JournalWriter, ensure_topics, replay
 from halfway.journal.admin import delete_topics
@@ -231,11 +231,12 @@ def test_a_contradiction_is_surfaced_on_the_step() -> None:
 
 @pytest.fixture
 async def journal(kafka_settings: KafkaSettings) -> AsyncIterator[KafkaSettings]:
-    """A journal topic of this test's own."""
+    """A journal topic of this test's own (with the prefix's other topics and ACLs: a projector
+    process connects as its own principal, which may not create the topics it expects)."""
     settings = kafka_settings.with_prefix(f"proj-{uuid.uuid4().hex[:8]}.")
-    await ensure_topics(settings, (JOURNAL,))
+    await ensure_topics(settings, ALL_TOPICS)
     yield settings
-    await delete_topics(settings, (JOURNAL,))
+    await delete_topics(settings, ALL_TOPICS)
 
 
 @pytest.fixture

@@ -49,7 +49,7 @@ class HalfwayClient:
     """The small public surface callers meet. Use it as an async context manager."""
 
     def __init__(self, settings: KafkaSettings | None = None) -> None:
-        self.settings = settings or KafkaSettings.from_env()
+        self.settings = settings or KafkaSettings.from_env("caller")
         self._writer: JournalWriter | None = None
 
     async def __aenter__(self) -> Self:

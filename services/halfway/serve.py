@@ -69,8 +69,9 @@ async def serve(name: Service, *, app: App, model: Model | None = None) -> None:
     """The process entry point (the app and the model already loaded by the command line,
     which reports a wrong one): stop cleanly on SIGTERM or SIGINT."""
     log.configure()
-    settings = KafkaSettings.from_env()
+    settings = KafkaSettings.from_env(name.value)
     await ensure_topics_once_up(settings)
+    await app.prepare()  # its MCP servers' tools: waits (logged) while one is down
     registry = app.registry()
     stop_on_signals()
     log.get("halfway.serve").info(

@@ -7,9 +7,12 @@ the services through these same variables.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import urllib.parse
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 HOST = "127.0.0.1"
@@ -72,6 +75,158 @@ def pg_dsn(database: str = PG_DATABASE) -> str:
     return f"postgresql://{PG_USER}@{HOST}:{pg_port()}/{database}"
 
 
+# --- how clients authenticate to Kafka (docs/security.md) ---------------------------------------
+
+# One principal per kind of process: each has only the rights its kind needs
+# (halfway.journal.acls). `admin` creates topics and ACLs (tests, `halfway topics`, `halfway dev`).
+KAFKA_KINDS = ("admin", "caller", "decider", "executor", "reconciler", "outcomes", "projector",
+               "gateway", "api", "operator")
+SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+SASL_MECHANISMS = ("SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN")
+DEFAULT_SASL_MECHANISM = "SCRAM-SHA-512"
+PASSWORD_FILE_BYTES_MAX = 4096
+_SECURITY_ENV = tuple(f"HALFWAY_KAFKA_{name}" for name in (
+    "SECURITY_PROTOCOL", "SASL_MECHANISM", "USERNAME", "PASSWORD", "PASSWORD_FILE", "SSL_CAFILE",
+    "SSL_CERTFILE", "SSL_KEYFILE"))
+
+
+class KafkaSecurityError(ValueError):
+    """The Kafka security settings cannot work together; the message says which and why (it
+    never quotes a password)."""
+
+
+def kafka_dev_credentials_file() -> Path:
+    """Where `infra/dev up` keeps the local broker's generated passwords (one per kind, 0600)."""
+    from halfway.infra import paths  # stdlib only; imported late to keep this module light
+
+    return paths.kafka_home() / "credentials.json"
+
+
+def kafka_dev_credentials(path: Path | None = None) -> dict[str, str] | None:
+    """The local dev broker's passwords by kind (from `path`, default the one under
+    HALFWAY_HOME), or None when it runs without them."""
+    path = path or kafka_dev_credentials_file()
+    try:
+        raw = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise KafkaSecurityError(f"cannot read {path}: {exc.strerror}") from None
+    try:
+        found = json.loads(raw)["passwords"]
+        if not isinstance(found, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in found.items()):
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        raise KafkaSecurityError(f"{path} is not a credentials file of `infra/dev up` "
+                                 "(delete it and run `infra/dev down kafka` and `up`)") from None
+    return found
+
+
+def _env(name: str) -> str | None:
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+def _read_password_file(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(PASSWORD_FILE_BYTES_MAX + 1)
+    except OSError as exc:
+        raise KafkaSecurityError(f"HALFWAY_KAFKA_PASSWORD_FILE={path}: {exc.strerror}") from None
+    if len(raw) > PASSWORD_FILE_BYTES_MAX:
+        raise KafkaSecurityError(f"HALFWAY_KAFKA_PASSWORD_FILE={path} is over "
+                                 f"{PASSWORD_FILE_BYTES_MAX} bytes: not a password file")
+    password = raw.decode("utf-8", errors="strict").rstrip("\r\n")
+    if not password:
+        raise KafkaSecurityError(f"HALFWAY_KAFKA_PASSWORD_FILE={path} is empty")
+    return password
+
+
+def _explicit_security() -> dict[str, Any]:
+    """aiokafka's keyword arguments from the HALFWAY_KAFKA_* variables, checked together."""
+    username = _env("HALFWAY_KAFKA_USERNAME")
+    password = os.environ.get("HALFWAY_KAFKA_PASSWORD") or None
+    password_file = _env("HALFWAY_KAFKA_PASSWORD_FILE")
+    mechanism = _env("HALFWAY_KAFKA_SASL_MECHANISM")
+    ssl_files = {name: _env(f"HALFWAY_KAFKA_SSL_{name.upper()}")
+                 for name in ("cafile", "certfile", "keyfile")}
+    protocol = (_env("HALFWAY_KAFKA_SECURITY_PROTOCOL")
+                or ("SASL_PLAINTEXT" if username else "PLAINTEXT")).upper()
+    if protocol not in SECURITY_PROTOCOLS:
+        raise KafkaSecurityError(f"HALFWAY_KAFKA_SECURITY_PROTOCOL={protocol}: one of "
+                                 f"{', '.join(SECURITY_PROTOCOLS)}")
+    out: dict[str, Any] = {"security_protocol": protocol}
+    if protocol.startswith("SASL_"):
+        mechanism = (mechanism or DEFAULT_SASL_MECHANISM).upper()
+        if mechanism not in SASL_MECHANISMS:
+            raise KafkaSecurityError(f"HALFWAY_KAFKA_SASL_MECHANISM={mechanism}: one of "
+                                     f"{', '.join(SASL_MECHANISMS)}")
+        if not username:
+            raise KafkaSecurityError(f"{protocol} needs HALFWAY_KAFKA_USERNAME")
+        if password and password_file:
+            raise KafkaSecurityError("set HALFWAY_KAFKA_PASSWORD or HALFWAY_KAFKA_PASSWORD_FILE, "
+                                     "not both")
+        if password_file:
+            password = _read_password_file(password_file)
+        if not password:
+            raise KafkaSecurityError(f"{protocol} needs HALFWAY_KAFKA_PASSWORD or "
+                                     "HALFWAY_KAFKA_PASSWORD_FILE")
+        out |= {"sasl_mechanism": mechanism, "sasl_plain_username": username,
+                "sasl_plain_password": password}
+    else:
+        given = [n for n, v in (("HALFWAY_KAFKA_USERNAME", username),
+                                ("HALFWAY_KAFKA_PASSWORD", password),
+                                ("HALFWAY_KAFKA_PASSWORD_FILE", password_file),
+                                ("HALFWAY_KAFKA_SASL_MECHANISM", mechanism)) if v]
+        if given:
+            raise KafkaSecurityError(f"{', '.join(given)} set, but HALFWAY_KAFKA_SECURITY_PROTOCOL"
+                                     f" is {protocol}: use SASL_PLAINTEXT or SASL_SSL")
+    if protocol.endswith("SSL"):
+        if ssl_files["keyfile"] and not ssl_files["certfile"]:
+            raise KafkaSecurityError("HALFWAY_KAFKA_SSL_KEYFILE needs HALFWAY_KAFKA_SSL_CERTFILE "
+                                     "(the client certificate it belongs to)")
+        for name, path in ssl_files.items():
+            if path and not os.path.isfile(path):
+                raise KafkaSecurityError(f"HALFWAY_KAFKA_SSL_{name.upper()}={path}: no such file")
+        from aiokafka.helpers import create_ssl_context
+
+        try:
+            out["ssl_context"] = create_ssl_context(**ssl_files)
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            raise KafkaSecurityError(f"the TLS files do not load: {exc}") from None
+    else:
+        given = [f"HALFWAY_KAFKA_SSL_{n.upper()}" for n, v in ssl_files.items() if v]
+        if given:
+            raise KafkaSecurityError(f"{', '.join(given)} set, but HALFWAY_KAFKA_SECURITY_PROTOCOL"
+                                     f" is {protocol}: use SSL or SASL_SSL")
+    return out
+
+
+def kafka_security(kind: str) -> dict[str, Any]:
+    """How a process of `kind` authenticates: the HALFWAY_KAFKA_* variables when any is set
+    (they always win); else, against the local dev broker, `kind`'s password from the file
+    `infra/dev up` generated; else nothing (plaintext). Raises KafkaSecurityError."""
+    if kind not in KAFKA_KINDS:
+        raise KafkaSecurityError(f"no Kafka principal kind {kind!r}: one of "
+                                 f"{', '.join(KAFKA_KINDS)}")
+    if any(name in os.environ for name in _SECURITY_ENV):
+        return _explicit_security()
+    if kafka_bootstrap() != f"{HOST}:{kafka_port()}":
+        return {}  # not the local dev broker (HALFWAY_KAFKA_BOOTSTRAP may name it too)
+    passwords = kafka_dev_credentials()
+    return {} if passwords is None else dev_security(kind, passwords)
+
+
+def dev_security(kind: str, passwords: dict[str, str]) -> dict[str, Any]:
+    """aiokafka's keyword arguments for `kind` on a broker `infra/dev up` started."""
+    if kind not in passwords:
+        raise KafkaSecurityError(f"the dev credentials have no password for {kind}: run "
+                                 "`infra/dev up` (it adds missing principals)")
+    return {"security_protocol": "SASL_PLAINTEXT", "sasl_mechanism": DEFAULT_SASL_MECHANISM,
+            "sasl_plain_username": kind, "sasl_plain_password": passwords[kind]}
+
+
 @dataclass(frozen=True, slots=True)
 class KafkaSettings:
     bootstrap: str
@@ -79,15 +234,24 @@ class KafkaSettings:
     replication_factor: int
     # How clients authenticate and encrypt, as aiokafka's keyword arguments
     # (`security_protocol`, `sasl_mechanism`, ...); empty: plaintext, no authentication.
+    # Never in a repr: it holds the password.
     security: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def from_env(cls) -> KafkaSettings:
+    def from_env(cls, kind: str = "admin") -> KafkaSettings:
+        """The settings a process of `kind` (see KAFKA_KINDS) connects with. The default,
+        `admin`, is for tools and tests that create topics; services name their kind."""
         return cls(
             bootstrap=kafka_bootstrap(),
             topic_prefix=os.environ.get("HALFWAY_TOPIC_PREFIX", "halfway."),
             replication_factor=int(os.environ.get("HALFWAY_REPLICATION_FACTOR", "1")),
+            security=kafka_security(kind),
         )
+
+    @property
+    def principal(self) -> str | None:
+        """The SASL user name these settings authenticate as (None: no SASL)."""
+        return self.security.get("sasl_plain_username")
 
     def client(self) -> dict[str, Any]:
         """The keyword arguments every aiokafka client of halfway is made with: where the
@@ -97,6 +261,11 @@ class KafkaSettings:
     def with_prefix(self, topic_prefix: str) -> KafkaSettings:
         """The same broker and credentials, other topics (tests and benchmarks)."""
         return dataclasses.replace(self, topic_prefix=topic_prefix)
+
+    def as_kind(self, kind: str) -> KafkaSettings:
+        """The same broker and topics, with the credentials of `kind` (from the environment
+        or the dev credentials file, as `from_env`)."""
+        return dataclasses.replace(self, security=kafka_security(kind))
 
 
 def paysim_url() -> str:
@@ -163,7 +332,18 @@ def seal_after_s() -> float | None:
 
 
 DEFAULT_GATEWAY_PORT = 18090
+# Published in the source: the gateway accepts it only in dev mode (webhooks/providers.py).
 DEFAULT_PAYSIM_WEBHOOK_SECRET = "whsec_halfway_dev"
+PAYSIM_WEBHOOK_SECRET_ENV = "HALFWAY_PAYSIM_WEBHOOK_SECRET"
+WEBHOOK_PROVIDERS_ENV = "HALFWAY_WEBHOOK_PROVIDERS"
+DEV_MODE_ENV = "HALFWAY_DEV_MODE"
+
+
+def dev_mode(environ: Mapping[str, str] | None = None) -> bool:
+    """`HALFWAY_DEV_MODE=1` (or true, yes, on): local development and tests, where published
+    dev secrets stand in for missing ones. Anything else, unset included, is off."""
+    raw = (os.environ if environ is None else environ).get(DEV_MODE_ENV, "")
+    return raw.strip().lower() in ("1", "true", "yes", "on")
 
 
 def gateway_port() -> int:
@@ -177,8 +357,9 @@ def gateway_host() -> str:
 
 
 def paysim_webhook_secret() -> str:
-    """The endpoint secret paysim signs its webhooks with (a dev default; set it anywhere real)."""
-    return os.environ.get("HALFWAY_PAYSIM_WEBHOOK_SECRET") or DEFAULT_PAYSIM_WEBHOOK_SECRET
+    """The secret the paysim simulator signs its webhooks with: `HALFWAY_PAYSIM_WEBHOOK_SECRET`,
+    else the published dev secret, which the gateway accepts only in dev mode."""
+    return os.environ.get(PAYSIM_WEBHOOK_SECRET_ENV) or DEFAULT_PAYSIM_WEBHOOK_SECRET
 
 
 DEFAULT_PG_SCHEMA = "halfway"
@@ -200,3 +381,46 @@ def api_port() -> int:
 def api_host() -> str:
     """The address the HTTP API listens on (0.0.0.0 in a container)."""
     return os.environ.get("HALFWAY_API_HOST") or HOST
+
+
+# --- the HTTP API's trust settings and tracing (docs/operator-api.md) -------------------------
+
+
+def api_tokens() -> str:
+    """`HALFWAY_API_TOKENS`: bearer tokens in the short form `NAME:SCOPE+SCOPE:TOKEN`,
+    comma-separated (`halfway.api.auth` parses them)."""
+    return os.environ.get("HALFWAY_API_TOKENS", "")
+
+
+def api_tokens_file() -> str | None:
+    """`HALFWAY_API_TOKENS_FILE`: a JSON Lines or TOML file of tokens (names, scopes)."""
+    return os.environ.get("HALFWAY_API_TOKENS_FILE") or None
+
+
+def api_allowed_hosts() -> list[str] | None:
+    """`HALFWAY_API_ALLOWED_HOSTS`: the names the API answers to in the Host header,
+    comma-separated (None: the loopback names and the address it listens on)."""
+    names = [n.strip() for n in os.environ.get("HALFWAY_API_ALLOWED_HOSTS", "").split(",")]
+    return [n for n in names if n] or None
+
+
+def api_dev_mode() -> bool:
+    """`HALFWAY_API_DEV=1`: with no tokens configured, every request may do everything (local
+    development only)."""
+    return os.environ.get("HALFWAY_API_DEV", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def tracing_mode() -> str:
+    """`otlp` or `off`: `HALFWAY_TRACING` if set, else `otlp` when the standard
+    `OTEL_EXPORTER_OTLP_ENDPOINT` (or its traces variant) names a collector. Off by default;
+    `OTEL_SDK_DISABLED=true` turns it off whatever else says."""
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return "off"
+    raw = os.environ.get("HALFWAY_TRACING", "").strip().lower()
+    if raw:
+        if raw not in ("otlp", "off"):
+            raise ValueError(f"HALFWAY_TRACING={raw!r}: otlp or off")
+        return raw
+    endpoint = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+                or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+    return "otlp" if endpoint else "off"

@@ -31,7 +31,7 @@ async def start(task_id: str, input: dict[str, Any], tools: list[str], *, saga: 
                 follow: bool, timeout_s: float | None,
                 echo: Callable[[OutcomeChanged], None]) -> int:
     """Request the task; with `follow`, echo its outcome messages until it is over."""
-    settings = KafkaSettings.from_env()
+    settings = KafkaSettings.from_env("caller")
     try:
         async with asyncio.timeout(BROKER_WAIT_S):  # `halfway dev` may still be starting
             await ensure_topics_once_up(settings)

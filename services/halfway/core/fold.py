@@ -31,6 +31,13 @@ topic, so no other task can hold the subject while that step could still be acce
 same for a `compensation.intended` after the task finished or for a step that is not done.
 Refused decisions are kept in `not_accepted`, with why, and never executed.
 
+What no honest writer journals is not applied either (a forgery from inside the journal's trust
+boundary, halfway.journal.acls, or a bug): a `step.intended` of a task that never started (the
+decider journals `task.started` before any decision), and a settlement of a step not decided
+yet (write-before-acting: an effect is attempted, and so settled, only after its decision).
+Both go to `not_accepted` with the reason, so a forged "done" planted before its task existed
+can never settle the real step later: that step is attempted and settled as if it were absent.
+
 The fold never raises on a strange sequence (an attempt of a step never intended, a settlement
 of nothing): it cannot refuse what is already in the log. It records such events in `anomalies`
 so they are visible, and otherwise applies them as well as it can. It does raise on an event of
@@ -281,7 +288,7 @@ class ModelUse:
 class NotAccepted:
     """A decision in the log that the fold refused, and why (in words for people)."""
 
-    event: StepIntended | CompensationIntended
+    event: StepIntended | CompensationIntended | StepSettled | CompensationSettled
     reason: str
 
 
@@ -465,6 +472,10 @@ def _apply_to_step(state: TaskState, event: StepEvent) -> TaskState:
     _, n = parse_step_id(event.step_id)
     step = state.steps.get(n)
     if step is None:
+        if isinstance(event, StepSettled | CompensationSettled):
+            # Never adopted: a verdict older than its decision is not about that decision.
+            return _not_accepted(state, event, f"a settlement of step {event.step_id} written "
+                                 f"before the step was decided; never applied")
         # Write-before-acting makes this impossible in one partition, unless a writer is buggy.
         # Keep the event: if the decision appears later, it is applied then.
         state = _note(state, event, f"step {event.step_id} was never intended")
@@ -513,6 +524,9 @@ def _why_not_accepted(state: TaskState, intent: StepIntended) -> str | None:
                 f"decider; never executed")
     if state.rejected is not None:
         return "written after the task was rejected; never executed"
+    if state.started is None:
+        return ("the task was never started (no task.started before it in the log), so no "
+                "decider placed it; never executed")
     if intent.claim_id is not None and intent.claim_id in state.withdrawn_claims:
         return (f"its subject claim {intent.claim_id} on {intent.subject} was withdrawn "
                 f"earlier in the log (the decider that wrote it had lost the task); never "
@@ -520,7 +534,8 @@ def _why_not_accepted(state: TaskState, intent: StepIntended) -> str | None:
     return None
 
 
-def _not_accepted(state: TaskState, event: StepIntended | CompensationIntended,
+def _not_accepted(state: TaskState,
+                  event: StepIntended | CompensationIntended | StepSettled | CompensationSettled,
                   why: str) -> TaskState:
     if any(_same_fact(n.event, event) for n in state.not_accepted):
         return state  # a second writer's copy of a decision already refused

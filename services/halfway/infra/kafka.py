@@ -13,6 +13,25 @@ Theory of operation (`up`, under a per-component file lock):
    has no meta.properties; then `kafka.Kafka` starts detached in its own session and we poll a
    metadata request until it answers, failing with the log tails if the JVM exits first.
 
+Security (docs/security.md): clients connect over SASL_PLAINTEXT with SCRAM-SHA-512, and the
+`StandardAuthorizer` refuses whatever no ACL allows (`allow.everyone.if.no.acl.found=false`).
+One principal per kind of process (`halfway.settings.KAFKA_KINDS`), with a random password each,
+generated on the first `up` into `kafka/credentials.json` (0600; a later `up` adds kinds it
+lacks and keeps the rest). `admin` is the super user. On every start, after the broker is up:
+
+4. the SCRAM users are created or updated (`halfway.infra.scram`) over the controller listener,
+   which authenticates the admin with SASL/PLAIN from server.properties (0600): the same path
+   on a fresh machine and on a used one whose storage was formatted before SCRAM, so a used
+   machine is upgraded in place, its topics kept, with no reformat;
+5. readiness is a metadata request as the admin, over SCRAM;
+6. the ACLs of the default topic prefix (`HALFWAY_TOPIC_PREFIX`, `halfway.`) are created
+   (`halfway.journal.acls`; other prefixes get theirs with their topics).
+
+A broker that is already running is never restarted by `up`. One started by an older halfway
+(plaintext, no ACLs) is reported with a note: `infra/dev down kafka` then `up` restarts it with
+SCRAM and ACLs, data kept; until then clients keep connecting to it in plaintext, because no
+credentials file exists.
+
 `down` sends SIGTERM to the broker's process group (a controlled shutdown), waits a bounded time,
 then SIGKILLs it. Data stays: the next `up` reuses the formatted storage and its topics.
 
@@ -30,6 +49,7 @@ import base64
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -94,6 +114,7 @@ class Layout:
     properties: Path
     pid_file: Path
     format_record: Path
+    credentials: Path
     lock: Path
 
     @property
@@ -111,12 +132,15 @@ def layout() -> Layout:
         properties=home / "server.properties",
         pid_file=home / "kafka.pid",
         format_record=home / "format.json",
+        credentials=settings.kafka_dev_credentials_file(),
         lock=paths.halfway_home() / "kafka.lock",
     )
 
 
-def render_server_properties(client_port: int, ctl_port: int, data_dir: Path) -> str:
-    """server.properties for one combined broker+controller on loopback (tech.md 1.3).
+def render_server_properties(client_port: int, ctl_port: int, data_dir: Path,
+                             admin_password: str) -> str:
+    """server.properties for one combined broker+controller on loopback (tech.md 1.3), with
+    SCRAM for clients and ACLs (it holds the admin's password: written 0600).
 
     Java .properties files have no end-of-line comments, so every comment is on its own line.
     """
@@ -127,11 +151,25 @@ node.id=1
 # Dynamic (KIP-853) quorum: pairs with `StorageTool format --standalone`. Never add
 # controller.quorum.voters as well.
 controller.quorum.bootstrap.servers={HOST}:{ctl_port}
-listeners=PLAINTEXT://{HOST}:{client_port},CONTROLLER://{HOST}:{ctl_port}
-advertised.listeners=PLAINTEXT://{HOST}:{client_port},CONTROLLER://{HOST}:{ctl_port}
-inter.broker.listener.name=PLAINTEXT
+listeners=CLIENT://{HOST}:{client_port},CONTROLLER://{HOST}:{ctl_port}
+advertised.listeners=CLIENT://{HOST}:{client_port},CONTROLLER://{HOST}:{ctl_port}
+inter.broker.listener.name=CLIENT
 controller.listener.names=CONTROLLER
-listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+listener.security.protocol.map=CONTROLLER:SASL_PLAINTEXT,CLIENT:SASL_PLAINTEXT
+# Clients: SCRAM-SHA-512 only (the password never crosses the wire). The broker talks to itself
+# as the admin.
+listener.name.client.sasl.enabled.mechanisms={SCRAM}
+sasl.mechanism.inter.broker.protocol={SCRAM}
+listener.name.client.scram-sha-512.sasl.jaas.config={_jaas(SCRAM_MODULE, admin_password)}
+# The controller listener: PLAIN with the admin's password from this file, because KRaft
+# controllers cannot take SCRAM (its credentials live in the metadata they serve), and it is
+# how `up` creates the SCRAM users, the admin's included, on a fresh or a used machine.
+listener.name.controller.sasl.enabled.mechanisms=PLAIN
+sasl.mechanism.controller.protocol=PLAIN
+listener.name.controller.plain.sasl.jaas.config={_jaas(PLAIN_MODULE, admin_password)}
+authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer
+allow.everyone.if.no.acl.found=false
+super.users=User:{ADMIN}
 log.dirs={data_dir}
 num.partitions=1
 # Topics are part of the contract: services create them explicitly, a typo must not create one.
@@ -151,6 +189,98 @@ group.initial.rebalance.delay.ms=0
 num.network.threads=2
 num.io.threads=2
 """
+
+
+ADMIN = "admin"
+SCRAM = "SCRAM-SHA-512"
+SCRAM_MODULE = "org.apache.kafka.common.security.scram.ScramLoginModule"
+PLAIN_MODULE = "org.apache.kafka.common.security.plain.PlainLoginModule"
+PASSWORD_BYTES = 24  # 192 random bits, URL-safe: no quoting issue in JAAS or JSON
+
+
+def _jaas(module: str, admin_password: str) -> str:
+    extra = f' user_{ADMIN}="{admin_password}"' if module == PLAIN_MODULE else ""
+    return f'{module} required username="{ADMIN}" password="{admin_password}"{extra};'
+
+
+def ensure_credentials(lay: Layout) -> dict[str, str]:
+    """The password of every principal kind: read from the credentials file, with any kind it
+    lacks added (random); the file is replaced atomically and is readable by its owner only."""
+    existing = settings.kafka_dev_credentials(lay.credentials) or {}
+    passwords = {kind: existing.get(kind) or secrets.token_urlsafe(PASSWORD_BYTES)
+                 for kind in settings.KAFKA_KINDS}
+    if passwords != existing:
+        _write_private(lay.credentials, json.dumps({"passwords": passwords}, indent=2) + "\n")
+    return passwords
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write `text` to `path` so that no moment exists when others may read it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(path.name + ".new")
+    staging.unlink(missing_ok=True)
+    fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    staging.replace(path)
+
+
+def runs_secured(lay: Layout) -> bool:
+    """Whether the running broker was started with SCRAM and ACLs (by this version of `up`)."""
+    try:
+        return "sasl.enabled.mechanisms" in lay.properties.read_text()
+    except OSError:
+        return False
+
+
+def admin_security(lay: Layout) -> dict[str, object]:
+    """How `up` and `status` talk to the local broker: as the admin when it runs secured."""
+    if not runs_secured(lay):
+        return {}
+    passwords = settings.kafka_dev_credentials(lay.credentials) or {}
+    if ADMIN not in passwords:
+        raise InfraError(f"the broker runs with SCRAM but {lay.credentials} has no admin "
+                         "password: `infra/dev down kafka` and `up` write a new one")
+    return settings.dev_security(ADMIN, passwords)
+
+
+def _provision(lay: Layout, pid: int, passwords: dict[str, str], timeout_s: float) -> None:
+    """Create or update every kind's SCRAM user once the controller listens (retried: the
+    controller accepts it only once it leads its quorum); fail early if the broker exits."""
+    from halfway.infra import scram
+
+    deadline = time.monotonic() + timeout_s
+    last = "the controller port never opened"
+    while time.monotonic() < deadline:
+        if not paths.pid_alive(pid):
+            raise InfraError(f"the Kafka broker (pid {pid}) exited while starting\n"
+                             f"{_log_tails(lay)}")
+        if paths.port_open(controller_port()):
+            try:
+                paths.run_coroutine(lambda: scram.upsert_users(
+                    HOST, controller_port(), ADMIN, passwords[ADMIN], passwords))
+                return
+            except Exception as exc:  # not leading yet, or a real refusal: reported at the end
+                last = f"{type(exc).__name__}: {exc}"
+        time.sleep(READY_POLL_S)
+    _terminate(pid)
+    lay.pid_file.unlink(missing_ok=True)
+    raise InfraError(f"could not create the SCRAM users within {timeout_s:.0f} s ({last}), so "
+                     f"the broker was stopped\n{_log_tails(lay)}")
+
+
+def _grant_default_prefix(lay: Layout) -> str:
+    """The ACLs of the default topic prefix (a used machine's topics predate them)."""
+    from halfway.journal.acls import ensure_acls
+
+    prefix = os.environ.get("HALFWAY_TOPIC_PREFIX", "halfway.")
+    target = settings.KafkaSettings(bootstrap_servers(), prefix, 1, admin_security(lay))
+    try:
+        count = paths.run_coroutine(lambda: ensure_acls(target))
+    except Exception as exc:
+        raise InfraError(f"creating the ACLs of {prefix}* failed: {type(exc).__name__}: {exc}\n"
+                         f"{_log_tails(lay)}") from None
+    return f"{prefix}*:{count}"
 
 
 # --- the steps of `up` ------------------------------------------------------------------------
@@ -299,14 +429,16 @@ def broker_pid(lay: Layout) -> int | None:
     return pid
 
 
-async def probe(bootstrap: str, timeout_s: float = PROBE_TIMEOUT_S) -> int:
-    """One metadata round trip through aiokafka's admin client; return the number of brokers the
-    cluster reports. Raises on any failure or after `timeout_s`."""
+async def probe(bootstrap: str, timeout_s: float = PROBE_TIMEOUT_S,
+                security: dict[str, object] | None = None) -> int:
+    """One metadata round trip through aiokafka's admin client (authenticated with `security`,
+    aiokafka's keyword arguments); return the number of brokers the cluster reports. Raises on
+    any failure or after `timeout_s`."""
     # Imported here so that `bootstrap_servers()` stays cheap for importers that never probe.
     from aiokafka.admin import AIOKafkaAdminClient
 
     admin = AIOKafkaAdminClient(
-        bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000)
+        bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000), **(security or {})
     )
     try:
         async with asyncio.timeout(timeout_s):
@@ -321,9 +453,10 @@ async def probe(bootstrap: str, timeout_s: float = PROBE_TIMEOUT_S) -> int:
     return brokers
 
 
-def answering(bootstrap: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+def answering(bootstrap: str, timeout_s: float = PROBE_TIMEOUT_S,
+              security: dict[str, object] | None = None) -> bool:
     try:
-        paths.run_coroutine(lambda: probe(bootstrap, timeout_s))
+        paths.run_coroutine(lambda: probe(bootstrap, timeout_s, security))
     except Exception:  # any failure to answer is "no"; `up` reports the logs, not this error
         return False
     return True
@@ -376,7 +509,8 @@ def _wait_ready(lay: Layout, pid: int, timeout_s: float) -> None:
             raise InfraError(f"the Kafka broker (pid {pid}) exited while starting\n"
                              f"{_log_tails(lay)}")
         # A cheap TCP check first: the admin client logs errors while nothing listens.
-        if paths.port_open(port()) and answering(bootstrap_servers()):
+        if paths.port_open(port()) and answering(bootstrap_servers(),
+                                                 security=admin_security(lay)):
             return
         time.sleep(READY_POLL_S)
     _terminate(pid)
@@ -415,7 +549,8 @@ def _terminate(pid: int) -> None:
 def up() -> ComponentStatus:
     if is_external():
         bootstrap = bootstrap_servers()
-        if not answering(bootstrap, PROBE_TIMEOUT_S):
+        # As whoever HALFWAY_KAFKA_* names (the admin's kind when nothing says otherwise).
+        if not answering(bootstrap, PROBE_TIMEOUT_S, settings.kafka_security(ADMIN)):
             raise InfraError(f"the external broker HALFWAY_KAFKA_BOOTSTRAP={bootstrap} "
                              f"did not answer a metadata request within {PROBE_TIMEOUT_S:.0f} s")
         return ComponentStatus("kafka", "external", details={"bootstrap": bootstrap})
@@ -431,6 +566,12 @@ def up() -> ComponentStatus:
                 paths.kafka_pom()
             ):
                 details["note"] = "infra/kafka/pom.xml changed: down and up to use the new jars"
+            if not runs_secured(lay):
+                # Never restarted behind the back of whoever uses it: say how to upgrade.
+                details["security"] = "none"
+                details["note"] = ("started without SCRAM and ACLs by an older halfway: "
+                                   "`infra/dev down kafka` then `up` restarts it with them, "
+                                   "topics kept")
             return ComponentStatus("kafka", "already running", pid=pid, details=details)
 
         lay.pid_file.unlink(missing_ok=True)  # stale: its process is gone
@@ -440,11 +581,15 @@ def up() -> ComponentStatus:
             folder.mkdir(parents=True, exist_ok=True)
         java = _java()
         jars_s = ensure_libs(lay)
-        lay.properties.write_text(render_server_properties(port(), controller_port(), lay.data))
+        passwords = ensure_credentials(lay)
+        _write_private(lay.properties, render_server_properties(
+            port(), controller_port(), lay.data, passwords[ADMIN]))
         format_s = ensure_formatted(lay, java)
         broker_started = time.monotonic()
         proc = _spawn(lay, java)
+        _provision(lay, proc.pid, passwords, READY_TIMEOUT_S)
         _wait_ready(lay, proc.pid, READY_TIMEOUT_S)
+        acls = _grant_default_prefix(lay)
         now = time.monotonic()
         return ComponentStatus(
             "kafka", "started", pid=proc.pid, start_s=now - started,
@@ -453,6 +598,9 @@ def up() -> ComponentStatus:
                 "broker_s": f"{now - broker_started:.2f}",
                 "format_s": "cached" if format_s is None else f"{format_s:.2f}",
                 "jars_s": "cached" if jars_s is None else f"{jars_s:.2f}",
+                "security": "scram+acls",
+                "acls": acls,
+                "credentials": str(lay.credentials),
                 "logs": str(lay.logs),
             },
         )
@@ -493,6 +641,7 @@ def status() -> ComponentStatus:
         return ComponentStatus("kafka", "stopped", details=details)
     return ComponentStatus("kafka", "running", pid=pid, details={
         "bootstrap": bootstrap_servers(),
+        "security": "scram+acls" if runs_secured(lay) else "none",
         "answering": "yes" if paths.port_open(port()) else "no",
         "logs": str(lay.logs),
     })

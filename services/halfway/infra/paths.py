@@ -5,7 +5,9 @@ Layout under `halfway_home()` (env `HALFWAY_HOME`, default `<repo root>/.halfway
     kafka/libs/            broker jars copied by Maven (+ .pom.sha256, the cache key)
     kafka/data/            KRaft metadata and topic logs (meta.properties once formatted)
     kafka/logs/            server.log (log4j2), kafka.out (JVM stdout/stderr), mvn.log, format.log
-    kafka/server.properties  generated on every start from the current ports
+    kafka/server.properties  generated on every start from the current ports (0600: it holds
+                           the admin's password)
+    kafka/credentials.json   one random password per principal kind (0600; docs/security.md)
     kafka/kafka.pid
     postgres/              data, socket and log when not root; when root, a symlink `cluster`
                            to /var/lib/halfway/postgres-<port> (see postgres.py for why)

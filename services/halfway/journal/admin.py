@@ -5,7 +5,12 @@ from __future__ import annotations
 import asyncio
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaConnectionError, KafkaTimeoutError, for_code
+from aiokafka.errors import (
+    KafkaConnectionError,
+    KafkaTimeoutError,
+    TopicAuthorizationFailedError,
+    for_code,
+)
 
 from halfway import log
 from halfway.contract.topics import ALL_TOPICS, TopicSpec
@@ -24,7 +29,9 @@ async def ensure_topics(settings: KafkaSettings,
     """Create every topic that does not exist yet; return the names of those created.
 
     Existing topics are left as they are (their configs are not overwritten): changing a
-    journal's retention is an operator's decision, not a side effect of a deploy.
+    journal's retention is an operator's decision, not a side effect of a deploy. On a broker
+    with authentication, the prefix's ACLs are created with its topics (`halfway.journal.acls`):
+    only a principal allowed to create topics and ACLs (the admin) gets this far.
     """
     admin = AIOKafkaAdminClient(**settings.client())
     await admin.start()
@@ -44,8 +51,14 @@ async def ensure_topics(settings: KafkaSettings,
             if code == 0:
                 created.append(topic)
             elif code != TOPIC_ALREADY_EXISTS:  # another process won the race: fine
-                raise for_code(code)(f"creating topic {topic}: {message[0] if message else ''}")
+                raise for_code(code)(f"creating topic {topic}"
+                                     f"{f' as {settings.principal}' if settings.principal else ''}"
+                                     f": {message[0] if message else ''}")
         log.get("halfway.journal").info("topics created", topics=created)
+        if settings.security:
+            from halfway.journal.acls import ensure_acls
+
+            await ensure_acls(settings)
         return created
     finally:
         await admin.close()
@@ -60,6 +73,14 @@ async def ensure_topics_once_up(settings: KafkaSettings,
     while True:
         try:
             return await ensure_topics(settings, specs)
+        except TopicAuthorizationFailedError as exc:
+            # A service may not create topics: the admin (`halfway topics`, `halfway dev`,
+            # `infra/dev up`) has not created this prefix's yet.
+            logger.warning("waiting for the topics: this principal may not create them",
+                           principal=settings.principal, prefix=settings.topic_prefix,
+                           error=str(exc)[:300], retry_in_s=delay_s)
+            await asyncio.sleep(delay_s)
+            delay_s = min(BROKER_WAIT_S_MAX, delay_s * 2)
         except (KafkaConnectionError, KafkaTimeoutError, OSError) as exc:
             logger.warning("waiting for the broker", bootstrap=settings.bootstrap,
                            error=str(exc)[:300], retry_in_s=delay_s)
@@ -68,8 +89,9 @@ async def ensure_topics_once_up(settings: KafkaSettings,
 
 
 async def delete_topics(settings: KafkaSettings, specs: tuple[TopicSpec, ...] = ALL_TOPICS) -> None:
-    """Delete a prefix's topics: for tests and benchmarks that made their own, never journals
-    in use (there is no undo)."""
+    """Delete a prefix's topics (and, on a broker with authentication, its ACLs once none of
+    its topics is left): for tests and benchmarks that made their own, never journals in use
+    (there is no undo)."""
     admin = AIOKafkaAdminClient(**settings.client())
     await admin.start()
     try:
@@ -78,6 +100,11 @@ async def delete_topics(settings: KafkaSettings, specs: tuple[TopicSpec, ...] = 
         await admin.delete_topics([n for n in names if n in existing], timeout_ms=CREATE_TIMEOUT_MS)
     finally:
         await admin.close()
+    left = {s.name(settings.topic_prefix) for s in ALL_TOPICS} & existing - set(names)
+    if settings.security and not left:
+        from halfway.journal.acls import delete_acls
+
+        await delete_acls(settings)
 
 
 async def topic_partitions(settings: KafkaSettings, topic: str) -> set[int]:

@@ -84,7 +84,7 @@ def task_row(state: TaskState) -> Row:
         "attention": attention_words(state),
         # Decisions the log refused (a paused decider's late writes): shown, never executed.
         "not_accepted": [{"type": n.event.type, "step_id": n.event.step_id,
-                          "tool": n.event.tool, "reason": n.reason}
+                          "tool": getattr(n.event, "tool", None), "reason": n.reason}
                          for n in state.not_accepted],
         # What the model cost, and why it is not answering (the next step's last failure).
         "model_questions": state.usage.questions,

@@ -330,7 +330,7 @@ async def serve() -> None:
     """The process entry point (`python -m halfway.projector`): project into the schema
     HALFWAY_PG_SCHEMA until SIGTERM or SIGINT."""
     log.configure()
-    settings = KafkaSettings.from_env()
+    settings = KafkaSettings.from_env("projector")
     await ensure_topics_once_up(settings, (JOURNAL, DEAD_LETTERS))
     task = asyncio.current_task()
     assert task is not None
