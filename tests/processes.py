@@ -338,6 +338,8 @@ class Cluster:
             "HALFWAY_MODEL_CALL_LOG": str(self.model_call_log),
             "HALFWAY_LOG_FORMAT": "json",
             "PYTHONUNBUFFERED": "1",
+            # The simulators' published dev secrets (paysim's webhooks) are accepted only so.
+            "HALFWAY_DEV_MODE": "1",
         }
         if self.settings.bootstrap != env.kafka_bootstrap():
             out["HALFWAY_KAFKA_BOOTSTRAP"] = self.settings.bootstrap
@@ -357,10 +359,10 @@ class Cluster:
         self.procs.append(proc)
         return proc
 
-    async def start_gateway(self) -> str:
+    async def start_gateway(self, **extra_env: str) -> str:
         """`halfway run gateway` on a free port; returns its paysim webhook endpoint."""
         proc = await self._spawn("gateway", ["-m", "halfway.cli", "run", "gateway"],
-                                 self.env(HALFWAY_GATEWAY_PORT="0"),
+                                 self.env(HALFWAY_GATEWAY_PORT="0", **extra_env),
                                  stdout=asyncio.subprocess.PIPE)
         assert proc.process.stdout is not None
         try:

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, JsonValue
 
-from halfway.contract.events import SCHEMA_VERSION, TaskId, _type_is_required
+from halfway.contract.events import SCHEMA_VERSION, Outcome, TaskId, _type_is_required
 
 
 class WebhookReceived(BaseModel):
@@ -25,6 +25,10 @@ class WebhookReceived(BaseModel):
     provider_event_type: str = Field(min_length=1, description="e.g. charge.succeeded")
     object_id: str = Field(min_length=1, description="The provider's object, e.g. ch_...")
     key: str | None = Field(None, description="Our idempotency key, from the object's metadata")
+    outcome: Literal[Outcome.DONE, Outcome.NOT_DONE] | None = Field(
+        None, description="What the provider's declared mapping says this event type means for "
+                          "the effect our key names (None: it says nothing). A tool that reads "
+                          "webhooks itself decides instead")
     task_id: TaskId | None = Field(None, description="The task our key names, if any")
     payload: dict[str, JsonValue] = Field(description="The provider's event, whole")
     signed_at: AwareDatetime = Field(description="The signature's timestamp (t=)")

@@ -6,7 +6,9 @@ A webhook names a provider object (a charge) and carries our key in the object's
 it matches one step (key `{task}:{n}`) or one compensation (`{task}:{n}:undo`). The tool's
 adapter reads it into a `WebhookReport`: the outcome it states (`done`, or `not_done` for a
 failed object), the object's id, the evidence, and whether the object matches what the step
-asked for (amount, currency, customer). `weigh_webhook` decides what that report is worth:
+asked for (amount, currency, customer). For a tool with no reader of its own, the report is what
+the provider's declared mapping says (`declared_report`: the outcome the gateway stamped, the
+object as evidence). `weigh_webhook` decides what that report is worth:
 
 1. **Order.** A provider cannot know our key before we send it. The gateway stamps each
    webhook with the end offset of the task's journal partition at the moment it arrived; the
@@ -75,6 +77,20 @@ class Ignore:
 
 
 WebhookMove = Quarantine | Settle | Corroborate | Ignore
+
+
+def declared_report(hook: WebhookReceived, evidence_id: str | None) -> WebhookReport | None:
+    """What the provider's declared mapping says (the outcome the gateway stamped on the
+    record), for a tool that does not read webhooks itself; None if it says nothing. The
+    provider's object goes into the evidence under the tool's `evidence_id` (what an undo's
+    `$result.<evidence_id>` reads), else as `object_id`."""
+    if hook.outcome is None:
+        return None
+    if hook.outcome is Outcome.DONE:
+        evidence = {evidence_id or "object_id": hook.object_id, "provider": hook.provider,
+                    "event_type": hook.provider_event_type}
+        return WebhookReport(Outcome.DONE, hook.object_id, evidence=evidence)
+    return WebhookReport(Outcome.NOT_DONE, hook.object_id)
 
 
 def weigh_webhook(effect: EffectState | None, report: WebhookReport | None,

@@ -1,9 +1,15 @@
 """The webhook gateway: provider webhooks in, verified `webhook.received` records out.
 
-`POST /webhooks/{provider}` checks the provider's signature over the raw body, reads the body as
-a Stripe-style event, and publishes one `WebhookReceived` to the webhooks topic, keyed by
-`record_key()`. It answers 200 only once the broker has the record (acks=all): a provider that
-got 200 may forget the event, so we must not lose it after answering.
+`POST /webhooks/{provider}` checks the provider's signature over the raw body in the provider's
+format (Stripe's `Stripe-Signature`, or Standard Webhooks' `webhook-*` headers), reads the body
+through the provider's declared mapping (`halfway.webhooks.providers`: where the event's id,
+type, object and our key are, and which types say done or not done: data, not code here), and
+publishes one `WebhookReceived` to the webhooks topic, keyed by `record_key()`. It answers 200
+only once the broker has the record (acks=all): a provider that got 200 may forget the event, so
+we must not lose it after answering.
+
+It starts only with at least one provider and a secret for each (`serve_gateway`: otherwise it
+says why and exits 2, before connecting to anything); secrets are never logged nor answered.
 
 The record is built whole before anything is published and read back with the reconciler's own
 decoder (`decode_webhook`): what the gateway answers 200 for, the reconciler can read. When our
@@ -13,11 +19,13 @@ key before we send it, so the webhook is evidence only about an attempt journale
 
 Refusals publish and remember nothing, and say why in `{"error": ...}`. A 4xx is permanent (the
 same request would be refused again); only a broker failure is a 503, which providers retry:
-- 404: a provider we have no secret for;
-- 400: no, garbled, forged, stale or future signature; a body that is not such an event, or
-  that the reconciler could not read back (nested too deep, text that is not Unicode, ...);
-- 409: a replay, i.e. the exact `Stripe-Signature` value of a request we already accepted, still
-  inside the tolerance window (a captured request re-sent: the provider re-signs each retry);
+- 404: a provider we do not serve;
+- 400: no, garbled, forged, stale or future signature; a body that is not an event as the
+  provider's mapping describes it, or that the reconciler could not read back (nested too deep,
+  text that is not Unicode, ...);
+- 409: a replay, i.e. a request we already accepted (the same signed timestamp and body, and
+  webhook-id), still inside the tolerance window (a captured request re-sent: the provider
+  re-signs each retry);
 - 413: a body, or the record made of it, larger than the journal takes;
 - 503: the broker did not answer (the journal's end offset, or the publish) in time.
 
@@ -38,7 +46,7 @@ import signal
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -60,10 +68,12 @@ from halfway.journal.admin import ensure_topics_once_up, topic_partitions
 from halfway.journal.limits import WRITER_RECORD_BYTES_MAX
 from halfway.journal.records import InvalidRecord, decode_webhook, describe
 from halfway.journal.replay import partition_of
-from halfway.settings import KafkaSettings, gateway_host, gateway_port, paysim_webhook_secret
-from halfway.webhooks.signature import TOLERANCE_S_DEFAULT, SignatureError, verify
+from halfway.settings import KafkaSettings, gateway_host, gateway_port
+from halfway.webhooks import delivery, mapping, providers, standard
+from halfway.webhooks.delivery import Delivery
+from halfway.webhooks.providers import Provider, ProviderError
+from halfway.webhooks.signature import TOLERANCE_S_DEFAULT, SignatureError
 
-SIGNATURE_HEADER = "Stripe-Signature"
 BODY_BYTES_MAX = 1024 * 1024  # Stripe events are well under this; more is not a webhook
 MEMORY_ENTRIES_MAX = 100_000  # per memory; past it the oldest entry is forgotten
 # A signature stays acceptable until its t is `tolerance` in the past, and t may be up to
@@ -161,11 +171,11 @@ class KafkaJournalEnds:
 
 @dataclass
 class Gateway:
-    """What the handlers share: where to publish, the secrets and the two memories."""
+    """What the handlers share: where to publish, the providers and the two memories."""
 
     settings: KafkaSettings
     writer: JournalWriter
-    secrets: dict[str, str]
+    providers: dict[str, Provider]
     tolerance_s: float = TOLERANCE_S_DEFAULT
     journal: JournalEnds | None = None  # None: webhooks that name a task cannot be stamped
     signatures: _Memory = field(init=False)
@@ -176,8 +186,9 @@ class Gateway:
     publishing: dict[tuple[str, str], asyncio.Future[bool]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.signatures = _Memory(MEMORY_ENTRIES_MAX,
-                                  SIGNATURE_MEMORY_TOLERANCES * self.tolerance_s)
+        # Standard Webhooks' window is its library's, whatever ours is.
+        window_s = max(self.tolerance_s, standard.TOLERANCE_S)
+        self.signatures = _Memory(MEMORY_ENTRIES_MAX, SIGNATURE_MEMORY_TOLERANCES * window_s)
         self.event_ids = _Memory(MEMORY_ENTRIES_MAX, max(EVENT_IDS_KEPT_S, self.tolerance_s))
 
 
@@ -215,46 +226,38 @@ def _finite(text: str) -> float:
     return number
 
 
-def _text(value: Any, where: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise _Malformed(f"the event has no {where} (a non-empty string)")
-    return value
-
-
 def _task_of(key: Any) -> tuple[str | None, str | None]:
-    """(key, task id) from metadata.halfway_key; a malformed key counts as absent: the record
-    is then keyed by the provider's object id, and the reconciler cannot mistake it for ours."""
+    """(key, task id) from our key where the mapping found it; a malformed key counts as
+    absent: the record is then keyed by the provider's object id, and the reconciler cannot
+    mistake it for ours."""
     if not isinstance(key, str) or _KEY.fullmatch(key) is None:
         return None, None
     task_id, _ = parse_step_id(key.removesuffix(UNDO_SUFFIX))
     return key, task_id
 
 
-def _read_event(provider: str, body: bytes, signed_at_s: int) -> WebhookReceived:
-    """The record to publish for a Stripe-style event body; _Malformed if it is not one."""
+def _read_event(provider: Provider, body: bytes, verified: Delivery) -> WebhookReceived:
+    """The record to publish for an event body, read through the provider's mapping;
+    _Malformed if it is not such an event."""
     try:
         event = json.loads(body, parse_constant=_reject_constant, parse_float=_finite)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, nesting,
         raise _Malformed(f"the body is not JSON: {exc}") from exc  # an int of 5000 digits
     if not isinstance(event, dict):
         raise _Malformed("the body is not a JSON object")
-    data = event.get("data")
-    obj = data.get("object") if isinstance(data, dict) else None
-    if not isinstance(obj, dict):
-        raise _Malformed("the event has no data.object")
-    metadata = obj.get("metadata")
-    key, task_id = _task_of(metadata.get("halfway_key") if isinstance(metadata, dict) else None)
-    provider_event_id = _text(event.get("id"), "id")
-    provider_event_type = _text(event.get("type"), "type")
-    object_id = _text(obj.get("id"), "data.object.id")
+    try:
+        mapped = mapping.read(provider.mapping, event, verified.delivery_id)
+    except mapping.Unreadable as exc:
+        raise _Malformed(exc.reason) from exc
+    key, task_id = _task_of(mapped.key)
     try:
         return WebhookReceived(
-            provider=provider,
-            provider_event_id=provider_event_id,
-            provider_event_type=provider_event_type,
-            object_id=object_id,
-            key=key, task_id=task_id, payload=event,
-            signed_at=datetime.fromtimestamp(signed_at_s, UTC),
+            provider=provider.name,
+            provider_event_id=mapped.event_id,
+            provider_event_type=mapped.event_type,
+            object_id=mapped.object_id,
+            key=key, task_id=task_id, payload=event, outcome=mapped.outcome,
+            signed_at=datetime.fromtimestamp(verified.signed_at_s, UTC),
             received_at=datetime.now(UTC),
         )
     except ValidationError as exc:
@@ -291,31 +294,30 @@ def _record(settings: KafkaSettings, received: WebhookReceived) -> _Record:
 
 async def receive(request: web.Request) -> web.Response:
     gateway = request.app[GATEWAY]
-    provider = request.match_info["provider"]
-    secret = gateway.secrets.get(provider)
-    if secret is None:
-        known = ", ".join(sorted(gateway.secrets)) or "none"
-        return _refuse(404, f"unknown provider {provider!r}: webhooks are accepted for {known}")
-    logger = log.get("halfway.gateway", provider=provider)
+    name = request.match_info["provider"]
+    provider = gateway.providers.get(name)
+    if provider is None:
+        known = ", ".join(sorted(gateway.providers)) or "none"
+        return _refuse(404, f"unknown provider {name[:100]!r}: webhooks are accepted for "
+                       f"{known}")
+    logger = log.get("halfway.gateway", provider=name)
     try:
         body = await request.read()
     except web.HTTPRequestEntityTooLarge:
         return _refuse(413, f"the body is larger than {BODY_BYTES_MAX} bytes")
-    header = request.headers.get(SIGNATURE_HEADER)
     now_s = time.time()
     try:
-        signed_at_s = verify(body, header, secret, now_s, gateway.tolerance_s)
+        verified = delivery.verify(provider, body, request.headers, now_s, gateway.tolerance_s)
     except SignatureError as exc:
         logger.warning("webhook refused", why=exc.kind, reason=exc.reason)
         return _refuse(400, exc.reason)
-    assert header is not None  # verify refuses a missing header
-    seen = (provider, header)
+    seen = (name, verified.replay_key)
     if gateway.signatures.has(seen, now_s):
         logger.warning("webhook refused", why="replayed")
-        return _refuse(409, "replayed: this exact Stripe-Signature was already accepted; a "
-                       "provider signs every delivery afresh")
+        return _refuse(409, "replayed: this signed request was already accepted; a provider "
+                       "signs every delivery afresh")
     try:
-        received = _read_event(provider, body, signed_at_s)
+        received = _read_event(provider, body, verified)
         record = _record(gateway.settings, received)
     except _Malformed as exc:
         logger.warning("webhook refused", why="malformed", status=exc.status,
@@ -399,10 +401,12 @@ async def _publish_once(gateway: Gateway, received: WebhookReceived, record: _Re
                               "event_id": received.provider_event_id})
 
 
-def make_app(settings: KafkaSettings, writer: JournalWriter, secrets: dict[str, str], *,
+def make_app(settings: KafkaSettings, writer: JournalWriter,
+             served: Iterable[Provider] | Mapping[str, Provider], *,
              tolerance_s: float = TOLERANCE_S_DEFAULT,
              journal: JournalEnds | None = None) -> web.Application:
-    """The gateway for providers named in `secrets` (provider -> endpoint secret).
+    """The gateway for the `served` providers (`webhooks.providers.load()`, or `paysim(secret)`
+    in tests), each at `/webhooks/{name}`.
 
     `writer` must be started; the app neither starts nor stops it. `journal` says where the
     journal ends (the stamp on webhooks that name a task); without one the app reads the
@@ -422,7 +426,11 @@ def make_app(settings: KafkaSettings, writer: JournalWriter, secrets: dict[str, 
                 await ends.stop()
 
         app.cleanup_ctx.append(reading_the_journal)
-    app[GATEWAY] = Gateway(settings, writer, dict(secrets), tolerance_s, journal)
+    listed = list(served.values() if isinstance(served, Mapping) else served)
+    by_name = {p.name: p for p in listed}
+    if len(by_name) != len(listed):
+        raise ValueError("two providers of the same name")
+    app[GATEWAY] = Gateway(settings, writer, by_name, tolerance_s, journal)
     app.router.add_post("/webhooks/{provider}", receive)
     return app
 
@@ -431,17 +439,26 @@ async def serve_gateway(host: str | None = None, port: int | None = None) -> Non
     """The process entry point (`halfway run gateway`): serve until SIGTERM or SIGINT.
 
     Prints one line, `listening on http://HOST:PORT`, once it accepts connections (port 0
-    picks a free port, which the line then names)."""
+    picks a free port, which the line then names). Without a provider to serve, or with one
+    that cannot be served (a bad declaration, a missing secret), logs why and exits 2 before
+    connecting to anything: a configuration error, which restarting will not mend."""
     log.configure()
     logger = log.get("halfway.gateway")
-    settings = KafkaSettings.from_env()
+    try:
+        loaded = providers.load()
+    except ProviderError as exc:
+        logger.error("gateway not started", reason=str(exc))
+        raise SystemExit(2) from None
+    for why in loaded.not_served:
+        logger.info("webhook provider not served", why=why)
+    settings = KafkaSettings.from_env("gateway")
     await ensure_topics_once_up(settings, (WEBHOOKS, JOURNAL))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     async with JournalWriter(settings) as writer:
-        app = make_app(settings, writer, {"paysim": paysim_webhook_secret()})
+        app = make_app(settings, writer, loaded.providers)
         # Our own socket, so that with port 0 we can read back the port the kernel chose.
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -453,7 +470,7 @@ async def serve_gateway(host: str | None = None, port: int | None = None) -> Non
             await web.SockSite(runner, sock).start()
             url = f"http://{host}:{sock.getsockname()[1]}"
             print(f"listening on {url}", flush=True)  # the one line a parent process reads
-            logger.info("gateway listening", url=url, providers=["paysim"],
+            logger.info("gateway listening", url=url, providers=sorted(loaded.providers),
                         topic=WEBHOOKS.name(settings.topic_prefix))
             await stop.wait()
         finally:

@@ -1,4 +1,5 @@
-"""Provider webhooks: Stripe-style signatures, shared by the gateway and the simulators."""
+"""Provider webhooks: signature formats (Stripe's, Standard Webhooks), providers declared as
+data, and what their events mean to us. Shared by the gateway and the simulators."""
 
 from halfway.webhooks.signature import SignatureError, sign, signature, verify
 
