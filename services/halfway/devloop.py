@@ -29,6 +29,7 @@ async def run_dev(app: App, model: Model) -> None:
     settings = KafkaSettings.from_env()
     metrics.serve_from_env()
     await ensure_topics_once_up(settings)
+    await app.prepare()  # its MCP servers' tools: waits (logged) while one is down
     registry = app.registry()
     stop_on_signals()
     logger = log.get("halfway.dev")

@@ -32,8 +32,8 @@ import json
 import re
 import string
 import typing
-from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, create_model
 
@@ -42,6 +42,9 @@ from halfway.contract import CompensationPlan, EffectClass, SagaRole
 from halfway.models.base import Model
 from halfway.tools.registry import Registry, Tool
 from halfway.tools.spec import Adapter, ToolSpec
+
+if TYPE_CHECKING:
+    from halfway.mcp.bridge import McpBridge
 
 APP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 TOOL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")  # what chat APIs accept as names
@@ -120,6 +123,8 @@ class App:
         self._tools: dict[str, FunctionTool | Tool] = {}
         self._registry: Registry | None = None
         self._closers: list[Callable[[], Awaitable[None]]] = []
+        self._mcp: dict[str, McpBridge] = {}  # declared MCP servers, by name
+        self._mcp_ready = False  # their tools are listed and added
 
     def tool(self, fn: Callable[..., Any] | None = None, *, name: str | None = None,
              description: str | None = None, effect: str | EffectClass = EffectClass.UNKEYED,
@@ -152,6 +157,58 @@ class App:
         self._closers.append(fn)
         return fn
 
+    def mcp(self, name: str, *, command: Sequence[str] | str | None = None,
+            url: str | None = None, tools: Mapping[str, Mapping[str, Any]] | None = None,
+            env: Mapping[str, str] | None = None, cwd: str | None = None,
+            headers: Mapping[str, str] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+            connect_timeout_s: float | None = None) -> None:
+        """Bridge an MCP server's tools into this app: `command=[...]` runs it over stdio,
+        `url="http://..."` speaks streamable HTTP. `tools` holds per-tool overrides
+        (`{"create_payment": {"effect": "keyed", "key_ttl_s": 86_400, "lookup":
+        "find_payment", "subject": "invoice:{invoice_id}"}}`; see `halfway.mcp.bridge`).
+        The tools are listed when a service starts (`prepare`)."""
+        from halfway.mcp.bridge import CONNECT_TIMEOUT_S, McpBridge
+
+        if self._registry is not None:
+            raise RuntimeError(f"app {self.name} is already running; declare servers before")
+        if name in self._mcp:
+            raise ValueError(f"app {self.name} already has an MCP server named {name}")
+        bridge = McpBridge(name, command=command, url=url, tools=tools, env=env, cwd=cwd,
+                           headers=headers, timeout_s=timeout_s,
+                           connect_timeout_s=connect_timeout_s or CONNECT_TIMEOUT_S)
+        self._mcp[name] = bridge
+        self.on_shutdown(bridge.aclose)  # its session closes when the service stops
+
+    async def prepare(self, wait_s: float | None = None) -> None:
+        """List the tools of the app's MCP servers and add them (once; a no-op without
+        servers). A server that is down is waited for, retried with a bounded backoff: until
+        it answers (`wait_s` None, what services do), or for at most `wait_s`, then
+        `halfway.mcp.McpUnavailable`. Every service calls it before it uses the registry."""
+        if self._mcp_ready:
+            return
+        for bridge in self._mcp.values():
+            await bridge.discover(wait_s)
+        for bridge in self._mcp.values():
+            for tool in bridge.tools or ():
+                if tool.spec.name in self._tools:
+                    raise ValueError(f"app {self.name}: MCP server {bridge.name}'s tool "
+                                     f"{tool.spec.name} has the name of another tool")
+        for bridge in self._mcp.values():
+            for tool in bridge.tools or ():
+                self._add(tool.spec.name, tool)
+        self._mcp_ready = True
+
+    async def close_mcp(self) -> None:
+        """Close the sessions with the app's MCP servers (a service does it when it stops)."""
+        for bridge in self._mcp.values():
+            await bridge.aclose()
+
+    def _check_prepared(self) -> None:
+        if self._mcp and not self._mcp_ready:
+            raise RuntimeError(f"app {self.name} bridges MCP servers "
+                               f"({', '.join(self._mcp)}): await app.prepare() first, which "
+                               f"lists their tools (the services do)")
+
     def add(self, spec: ToolSpec, adapter: Adapter) -> None:
         """Add a tool written as an adapter class (`halfway.tools.spec.Adapter`)."""
         self._add(spec.name, Tool(spec, adapter))
@@ -165,10 +222,12 @@ class App:
 
     @property
     def tool_names(self) -> list[str]:
+        self._check_prepared()
         return list(self._tools)
 
     def registry(self) -> Registry:
         """The tools as the services use them (built once; undo tools checked)."""
+        self._check_prepared()
         if self._registry is None:
             tools = [t if isinstance(t, Tool) else Tool(t.spec(), t.adapter)
                      for t in self._tools.values()]
@@ -182,6 +241,7 @@ class App:
         """A short hash of what the tools mean to the harness (names, effect classes, argument
         schemas, subjects, saga roles, undos): two instances that differ here must not share
         a consumer group."""
+        self._check_prepared()
         return fingerprint_of(t.spec if isinstance(t, Tool) else t.spec()
                               for t in self._tools.values())
 
