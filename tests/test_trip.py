@@ -37,7 +37,7 @@ from halfway.contract import (
 from halfway.contract.topics import JOURNAL
 from halfway.demo.trip import FULL_HOTEL, trip_request
 from halfway.journal.replay import partition_of
-from halfway.resolve import ResolveRefused
+from halfway.resolve import ResolveRefused, os_user
 from halfway.settings import KafkaSettings
 
 pytest.register_assert_rewrite("tests.processes")
@@ -329,11 +329,13 @@ async def test_an_aborted_trip_settles_its_step_in_flight_then_undoes_what_was_d
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, err.decode()
-    assert out.decode().strip() == f"{task_id}: called off by alice: the customer cancelled"
+    # The journal keeps the OS user beside the name --by gives.
+    alice = f"alice (os:{os_user()})"
+    assert out.decode().strip() == f"{task_id}: called off by {alice}: the customer cancelled"
     state = (await c.journal.until_finished([task_id]))[task_id]
 
     assert state.final_state is FinalState.COMPENSATED, state.finished
-    assert state.finished.summary.startswith("aborted by alice: the customer cancelled")
+    assert state.finished.summary.startswith(f"aborted by {alice}: the customer cancelled")
     assert 3 not in state.steps  # nothing decided after the call-off
     assert [state.steps[n].undo.outcome for n in (1, 2)] == [Outcome.DONE, Outcome.DONE]
     done = await effects(c, task_id)

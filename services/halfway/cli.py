@@ -146,6 +146,28 @@ def _load_model(ref: str | None, app_: Any) -> Any:
         raise typer.Exit(2) from None
 
 
+START_MCP_WAIT_S = 30.0  # how long `halfway start` waits for an app's MCP servers
+
+
+def _prepare(app_: Any) -> None:
+    """List the tools of the app's MCP servers (a no-op without any), then close them."""
+    from halfway.mcp import McpUnavailable
+
+    log.configure(level="WARNING")  # the sessions' info lines are not for this command
+
+    async def listed() -> None:
+        try:
+            await app_.prepare(wait_s=START_MCP_WAIT_S)
+        finally:
+            await app_.close_mcp()
+
+    try:
+        asyncio.run(listed())
+    except (McpUnavailable, ValueError) as exc:
+        typer.echo(f"halfway: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
 @app.command()
 def run(service: Annotated[Runnable, typer.Argument(help="which service")],
         app_ref: AppOption = None, model: ModelOption = None,
@@ -156,6 +178,13 @@ def run(service: Annotated[Runnable, typer.Argument(help="which service")],
     """Run a service until SIGTERM: decider, executor, reconciler, outcomes (the user-facing
     topic), projector (the PostgreSQL read model), gateway (webhooks in), api (HTTP + web page)."""
     log.configure()
+    from halfway.settings import KafkaSecurityError, kafka_security
+
+    try:  # each service connects as its own kind (docs/security.md): a bad setting stops it here
+        kafka_security(service.value)
+    except KafkaSecurityError as exc:
+        typer.echo(f"halfway: {exc}", err=True)
+        raise typer.Exit(2) from None
     if metrics_port is not None:
         from halfway import metrics
 
@@ -231,6 +260,7 @@ def start(
                    err=True)
         raise typer.Exit(2)
     loaded = _load_app(app_ref)
+    _prepare(loaded)  # an app that bridges MCP servers learns its tools from them
     allowed = ([t.strip() for t in tools.split(",") if t.strip()] if tools is not None
                else loaded.tool_names)
     unknown = sorted(set(allowed) - set(loaded.tool_names))
@@ -302,14 +332,18 @@ def tripsim(port: Annotated[int, typer.Option(help="0 picks a free port")] = 180
 @app.command()
 def abort(task: Annotated[str, typer.Argument(help="the task id")],
           reason: Annotated[str, typer.Option(help="why, in words the journal keeps")],
-          by: Annotated[str, typer.Option(help="who calls it off")] = "operator") -> None:
+          by: Annotated[str | None, typer.Option(
+              help="who calls it off; the OS user is journaled with it (alone without it)")
+          ] = None) -> None:
     """Call a task off: no new step is decided, steps in flight settle, and a saga undoes
     what is proven done (last first)."""
-    from halfway.resolve import ResolveRefused, abort_task
+    from halfway.resolve import ResolveRefused, abort_task, operator_identity
 
     log.configure(level="WARNING")
     try:
-        event = asyncio.run(abort_task(KafkaSettings.from_env(), task, reason=reason, by=by))
+        who = operator_identity(by)
+        event = asyncio.run(abort_task(KafkaSettings.from_env("operator"), task, reason=reason,
+                                       by=who))
     except ResolveRefused as exc:
         typer.echo(f"refused: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -328,12 +362,13 @@ def resolve(
     evidence: Annotated[list[str] | None, typer.Option(
         help="key=value, repeatable; done needs at least one")] = None,
     reason: Annotated[str | None, typer.Option(help="why; not_done needs one")] = None,
-    by: Annotated[str, typer.Option(help="who resolves it")] = "operator",
+    by: Annotated[str | None, typer.Option(
+        help="who resolves it; the OS user is journaled with it (alone without it)")] = None,
     force: Annotated[bool, typer.Option(help="settle a step already settled")] = False,
 ) -> None:
     """Settle a step by hand (source: operator), for steps that need attention."""
     from halfway.contract import Outcome
-    from halfway.resolve import ResolveRefused
+    from halfway.resolve import ResolveRefused, operator_identity
     from halfway.resolve import resolve as resolve_step
 
     pairs = [e.split("=", 1) for e in evidence or []]
@@ -342,13 +377,14 @@ def resolve(
         raise typer.Exit(2)
     log.configure(level="WARNING")
     try:
+        who = operator_identity(by)
         event = asyncio.run(resolve_step(
-            KafkaSettings.from_env(), step, Outcome(outcome.value),
-            evidence=dict(pairs) or None, reason=reason, by=by, force=force))
+            KafkaSettings.from_env("operator"), step, Outcome(outcome.value),
+            evidence=dict(pairs) or None, reason=reason, by=who, force=force))
     except ResolveRefused as exc:
         typer.echo(f"refused: {exc}", err=True)
         raise typer.Exit(2) from None
-    typer.echo(f"{step}: {event.outcome} (source operator, by {by})")
+    typer.echo(f"{step}: {event.outcome} (source operator, by {who})")
 
 
 async def _read_model(fn: Any) -> Any:
@@ -424,7 +460,7 @@ def replay(task: Annotated[str | None, typer.Option(help="only this task")] = No
     from halfway.render import step_line, task_summary
 
     log.configure()
-    result = asyncio.run(replay_journal(KafkaSettings.from_env()))
+    result = asyncio.run(replay_journal(KafkaSettings.from_env("operator")))
     states = [s for t, s in sorted(result.states.items()) if task in (None, t)]
     if as_json:
         typer.echo(json.dumps({"events": result.events, "invalid": len(result.invalid),
@@ -452,12 +488,51 @@ def _rebuild_read_model(*, check_only: bool) -> None:
         def progress(done: int, total: int) -> None:
             bar.update(job, completed=done, total=total)
 
-        report = asyncio.run(rebuild(KafkaSettings.from_env(), settings.pg_dsn(),
+        report = asyncio.run(rebuild(KafkaSettings.from_env("operator"), settings.pg_dsn(),
                                      progress=progress, check_only=check_only,
                                      live=settings.pg_schema()))
     typer.echo("\n".join(report.lines()))
     if report.live_existed and not report.equal:
         raise typer.Exit(1)
+
+
+mcp_app = typer.Typer(no_args_is_help=True, help="MCP: halfway in front of agents whose loop "
+                                                 "we don't own.")
+app.add_typer(mcp_app, name="mcp")
+
+
+class McpTransport(StrEnum):
+    STDIO = "stdio"
+    HTTP = "http"
+
+
+@mcp_app.command("serve")
+def mcp_serve(
+    app_ref: AppOption = None, model: ModelOption = None,
+    transport: Annotated[McpTransport, typer.Option(help="stdio, or streamable HTTP")] =
+    McpTransport.STDIO,
+    host: Annotated[str, typer.Option(help="http: the address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="http: the port (0 picks a free one)")] = 18110,
+    task: Annotated[str | None, typer.Option(
+        help="stdio: the session's task id (default: a new one per connection)")] = None,
+    wait_s: Annotated[float, typer.Option(
+        "--wait-s", help="how long a call waits for its step to settle before it is "
+                         "answered unknown")] = 25.0,
+    idle_s: Annotated[float, typer.Option(
+        "--idle-s", help="a session without a call this long is ended")] = 1800.0,
+) -> None:
+    """Serve the app's tools as an MCP server: each session is a task, each tools/call a
+    journaled step with a harness-minted key, answered done, not done or unknown."""
+    from halfway.mcp.proxy import serve_proxy
+
+    if wait_s <= 0 or idle_s <= 0:
+        typer.echo("halfway: --wait-s and --idle-s must be positive", err=True)
+        raise typer.Exit(2)
+    loaded = _load_app(app_ref)
+    chosen = _load_model(model, loaded)  # for tasks that are not MCP sessions
+    log.configure()  # to stderr: over stdio, stdout is the MCP connection
+    asyncio.run(serve_proxy(loaded, chosen, transport=transport.value, host=host, port=port,
+                            call_wait_s=wait_s, session_idle_s=idle_s, task=task))
 
 
 if __name__ == "__main__":

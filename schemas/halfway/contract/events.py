@@ -210,6 +210,9 @@ class TaskRequested(_Event):
     input: JsonObject = Field(default_factory=dict)
     allowed_tools: list[str] = Field(default_factory=list)
     policy: TaskPolicy = Field(default_factory=TaskPolicy)
+    # Who asked, when the writer knows it (the HTTP API: `api:NAME` of the bearer token). A
+    # caller writing the tasks topic directly says what it likes: its principal is the bound.
+    requested_by: str | None = Field(default=None, max_length=200)
 
 
 class TaskStarted(_Event):

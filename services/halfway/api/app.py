@@ -1,4 +1,4 @@
-"""The HTTP API and the web page over the read model (PostgreSQL), read-only.
+"""The HTTP API and the web page over the read model (PostgreSQL), and the operators' writes.
 
 - `GET /api/tasks?state=&limit=`, `GET /api/tasks/{task_id}`: JSON, the same shapes as
   `halfway tasks --json` and `halfway status --json` (`halfway.api.status`).
@@ -6,11 +6,19 @@
   model (`queries.version`) every POLL_S while anyone listens and sends `changed` to every
   client when it moves. PostgreSQL could notify instead (LISTEN), but the projector does not
   NOTIFY and polling one cheap row is honest about what it costs: one query per 500 ms.
+  Fair: at most SSE_CLIENTS_PER_CLIENT_MAX streams per client (its token's name, or its address
+  when it has no token; past it, 429) within SSE_CLIENTS_MAX for everyone (past it, 503).
+- `POST /api/tasks`, `POST /api/tasks/{task_id}/abort`, `POST /api/steps/{step_id}/resolve`:
+  start a task, call one off, settle a step by hand (`halfway.api.operate`).
 - `GET /`: the page (static/index.html), which re-reads the API on `ready` and `changed`.
 - `GET /api/openapi.json`: `halfway.api.openapi`.
 
+Who may do what (bearer tokens with scopes) and which Host names are answered:
+`halfway.api.auth`. The page and the OpenAPI document hold no data and need no token.
+
 The read model missing (no projector has run yet) or PostgreSQL down answers 503 with a JSON
-`error`, never 500: the API starts without the database and works as soon as it is there.
+`error`, never 500, and never names the database's host or role (the log has the details): the
+API starts without the database and works as soon as it is there.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import json
 import re
 import signal
 import socket
+import sys
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -29,12 +38,16 @@ import asyncpg
 from aiohttp import web
 
 from halfway import log
-from halfway.api import openapi, queries, status
+from halfway import settings as env
+from halfway.api import openapi, operate, queries, status
+from halfway.api.auth import TokenConfigError, Tokens, allowed_host_names, is_loopback
+from halfway.api.http import ACCESS, Access, check_host, error, json_ok, require
 from halfway.contract.ids import is_task_id
-from halfway.settings import api_host, api_port, pg_dsn, pg_schema
+from halfway.settings import KafkaSettings, api_host, api_port, pg_dsn, pg_schema
 
 POLL_S = 0.5
 SSE_CLIENTS_MAX = 32  # each holds a connection open; past this a client gets 503
+SSE_CLIENTS_PER_CLIENT_MAX = 4  # per token name (or address): one client cannot take them all
 KEEPALIVE_S = 15.0  # a comment line this often finds clients that went away
 STREAM_S_MAX = 3600.0  # then the stream ends and EventSource reconnects by itself
 READY_TIMEOUT_S = 10.0
@@ -44,7 +57,6 @@ ACQUIRE_TIMEOUT_S = 5.0
 QUERY_TIMEOUT_S = 10.0
 CLOSE_TIMEOUT_S = 5.0
 SHUTDOWN_TIMEOUT_S = 5.0
-ERROR_CHARS_MAX = 500
 STATIC = Path(__file__).parent / "static"
 QUERY_PARAMS = ("state", "limit")
 LIMIT_TEXT = re.compile(r"[0-9]{1,6}")
@@ -62,23 +74,38 @@ class Live:
 
     def __init__(self, api: Api) -> None:
         self._api = api
-        self._clients: set[asyncio.Queue[str | None]] = set()
+        self._clients: dict[asyncio.Queue[str | None], str] = {}  # queue -> whose
+        self._per_client: dict[str, int] = {}  # at most SSE_CLIENTS_MAX keys
         self._poller: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()  # the poller has read a first version (or failed to)
         self._closed = False
 
-    def subscribe(self) -> asyncio.Queue[str | None] | None:
-        """A queue for one client; None when SSE_CLIENTS_MAX are connected or shutting down."""
+    def subscribe(self, who: str) -> asyncio.Queue[str | None]:
+        """A queue for one stream of client `who`; 503 when SSE_CLIENTS_MAX streams are open
+        or shutting down, 429 when `who` has SSE_CLIENTS_PER_CLIENT_MAX of them."""
         if self._closed or len(self._clients) >= SSE_CLIENTS_MAX:
-            return None
+            raise error(web.HTTPServiceUnavailable,
+                       f"too many live clients (at most {SSE_CLIENTS_MAX}); reload later")
+        if self._per_client.get(who, 0) >= SSE_CLIENTS_PER_CLIENT_MAX:
+            raise error(web.HTTPTooManyRequests,
+                       f"too many live streams for {who} (at most "
+                       f"{SSE_CLIENTS_PER_CLIENT_MAX} each); close one first")
         queue: asyncio.Queue[str | None] = asyncio.Queue(maxsize=1)
-        self._clients.add(queue)
+        self._clients[queue] = who
+        self._per_client[who] = self._per_client.get(who, 0) + 1
         if self._poller is None:
             self._poller = asyncio.create_task(self._poll(), name="halfway-api-poller")
         return queue
 
     def unsubscribe(self, queue: asyncio.Queue[str | None]) -> None:
-        self._clients.discard(queue)
+        who = self._clients.pop(queue, None)
+        if who is None:
+            return
+        left = self._per_client[who] - 1
+        if left:
+            self._per_client[who] = left
+        else:
+            del self._per_client[who]
 
     async def wait_ready(self) -> None:
         with contextlib.suppress(TimeoutError):
@@ -156,69 +183,66 @@ class Api:
             async with self.pool.acquire(timeout=ACQUIRE_TIMEOUT_S) as conn:
                 return await query(conn, self.schema, *args)
         except _MISSING:
-            raise _error(web.HTTPServiceUnavailable,
-                         f"the read model (schema {self.schema!r}) does not exist yet: is the "
-                         "projector running?") from None
+            raise error(web.HTTPServiceUnavailable,
+                       f"the read model (schema {self.schema!r}) does not exist yet: is the "
+                       "projector running?") from None
         except _UNAVAILABLE as exc:
-            raise _error(web.HTTPServiceUnavailable,
-                         f"cannot read the read model: {type(exc).__name__}: {exc}") from None
+            # The details (a host, a role, a DSN) are for the log, never for a client.
+            log.get("halfway.api").warning("cannot read the read model",
+                                           error=f"{type(exc).__name__}: {exc}")
+            raise error(web.HTTPServiceUnavailable,
+                       "cannot read the read model: the database does not answer (the API's "
+                       "log says why)") from None
 
 
 API = web.AppKey("api", Api)
 
 
-def _error(kind: type[web.HTTPException], reason: str) -> web.HTTPException:
-    return kind(text=json.dumps({"error": reason[:ERROR_CHARS_MAX]}),
-                content_type="application/json")
-
-
-def _json(data: Any) -> web.Response:
-    return web.json_response(data, headers={"Cache-Control": "no-store"})
-
-
 def _list_params(request: web.Request) -> tuple[str | None, int]:
     unknown = sorted(set(request.query) - set(QUERY_PARAMS))
     if unknown:
-        raise _error(web.HTTPBadRequest, f"unknown query parameter(s) {', '.join(unknown)}: "
-                     f"known are {', '.join(QUERY_PARAMS)}")
+        raise error(web.HTTPBadRequest, f"unknown query parameter(s) {', '.join(unknown)}: "
+                    f"known are {', '.join(QUERY_PARAMS)}")
     for name in QUERY_PARAMS:
         if len(request.query.getall(name, [])) > 1:
-            raise _error(web.HTTPBadRequest, f"{name} is given more than once")
+            raise error(web.HTTPBadRequest, f"{name} is given more than once")
     state = request.query.get("state") or None  # state= (empty) means every state
     if state is not None and state not in queries.TASK_STATES:
-        raise _error(web.HTTPBadRequest, f"unknown state {state[:60]!r}: one of "
-                     f"{', '.join(queries.TASK_STATES)}")
+        raise error(web.HTTPBadRequest, f"unknown state {state[:60]!r}: one of "
+                    f"{', '.join(queries.TASK_STATES)}")
     raw = request.query.get("limit", str(queries.LIMIT_DEFAULT))
     # ASCII digits only, and few: str.isdigit() takes "²", and int() refuses 5000 digits.
     if not LIMIT_TEXT.fullmatch(raw) or not 1 <= int(raw) <= queries.LIMIT_MAX:
-        raise _error(web.HTTPBadRequest,
-                     f"limit must be a whole number in 1..{queries.LIMIT_MAX}, got {raw[:20]!r}")
+        raise error(web.HTTPBadRequest,
+                    f"limit must be a whole number in 1..{queries.LIMIT_MAX}, got {raw[:20]!r}")
     return state, int(raw)
 
 
 async def list_tasks(request: web.Request) -> web.Response:
+    require(request, "read")
     state, limit = _list_params(request)
     rows = await request.app[API].read(queries.list_tasks, state, limit)
-    return _json({"tasks": status.tasks_json(rows), "count": len(rows), "state": state,
-                  "limit": limit})
+    return json_ok({"tasks": status.tasks_json(rows), "count": len(rows), "state": state,
+                    "limit": limit})
 
 
 async def get_task(request: web.Request) -> web.Response:
+    require(request, "read")
     task_id = request.match_info["task_id"]
     if not is_task_id(task_id):
-        raise _error(web.HTTPBadRequest, f"{task_id[:60]!r} is not a task id")
+        raise error(web.HTTPBadRequest, f"{task_id[:60]!r} is not a task id")
     task = await request.app[API].read(queries.get_task, task_id)
     if task is None:
-        raise _error(web.HTTPNotFound, f"no task {task_id!r} in the read model")
-    return _json(status.task_json(task))
+        raise error(web.HTTPNotFound, f"no task {task_id!r} in the read model")
+    return json_ok(status.task_json(task))
 
 
 async def events(request: web.Request) -> web.StreamResponse:
+    principal = require(request, "read")
     live = request.app[API].live
-    queue = live.subscribe()
-    if queue is None:
-        raise _error(web.HTTPServiceUnavailable,
-                     f"too many live clients (at most {SSE_CLIENTS_MAX}); reload later")
+    # Fair by who it is: a token's name, else the address (one address, many tabs).
+    queue = live.subscribe(f"token {principal.name}" if principal.authenticated
+                           else f"address {request.remote}")
     response = web.StreamResponse(headers={
         "Content-Type": "text/event-stream", "Cache-Control": "no-store",
         "X-Accel-Buffering": "no",  # a proxy in front must not hold the events back
@@ -251,13 +275,21 @@ async def page(request: web.Request) -> web.FileResponse:
 
 
 async def openapi_json(request: web.Request) -> web.Response:
-    return _json(openapi.document())
+    return json_ok(openapi.document())
 
 
-def make_app(dsn: str, schema: str) -> web.Application:
-    """The API over the read model in `schema` of the database at `dsn`."""
-    app = web.Application()
+def make_app(dsn: str, schema: str, *, kafka: KafkaSettings | None = None,
+             tokens: Tokens | None = None, dev: bool = False,
+             allowed_hosts: frozenset[str] | None = None) -> web.Application:
+    """The API over the read model in `schema` of the database at `dsn`, writing to the
+    journal of `kafka` (default: from the environment). No `tokens`: reads are open and the
+    write endpoints refused, unless `dev`. `allowed_hosts`: the Host names answered (default:
+    the loopback names)."""
+    app = web.Application(middlewares=[check_host], client_max_size=operate.BODY_BYTES_MAX)
     api = app[API] = Api(dsn, schema)
+    journal = app[operate.JOURNAL] = operate.Journal(kafka or KafkaSettings.from_env("api"))
+    app[ACCESS] = Access(tokens or Tokens(), dev,
+                         allowed_hosts or allowed_host_names(None, None))
 
     async def start(_: web.Application) -> None:
         await api.start()
@@ -267,6 +299,7 @@ def make_app(dsn: str, schema: str) -> web.Application:
 
     async def cleanup(_: web.Application) -> None:
         await api.stop()
+        await journal.stop()
 
     app.on_startup.append(start)
     app.on_shutdown.append(shutdown)
@@ -274,6 +307,9 @@ def make_app(dsn: str, schema: str) -> web.Application:
     app.router.add_get("/", page)
     app.router.add_get("/api/tasks", list_tasks)
     app.router.add_get("/api/tasks/{task_id}", get_task)
+    app.router.add_post("/api/tasks", operate.start_task)
+    app.router.add_post("/api/tasks/{task_id}/abort", operate.abort)
+    app.router.add_post("/api/steps/{step_id}/resolve", operate.resolve_step)
     app.router.add_get("/api/events", events)
     app.router.add_get("/api/openapi.json", openapi_json)
     return app
@@ -290,11 +326,19 @@ async def serve_api(host: str | None = None, port: int | None = None) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    app = make_app(pg_dsn(), pg_schema())
+    host = host or api_host()
+    try:
+        trust = access_from_env(host)
+        # The API writes as its own Kafka principal: requests and operator events only.
+        kafka = KafkaSettings.from_env("api")
+    except (ApiConfigError, ValueError) as exc:
+        logger.error("api not started", reason=str(exc))
+        print(f"halfway api: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    app = make_app(pg_dsn(), pg_schema(), kafka=kafka, **trust)
     # Our own socket, so that with port 0 we can read back the port the kernel chose.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    host = host or api_host()
     sock.bind((host, api_port() if port is None else port))
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
@@ -302,8 +346,33 @@ async def serve_api(host: str | None = None, port: int | None = None) -> None:
         await web.SockSite(runner, sock).start()
         url = f"http://{host}:{sock.getsockname()[1]}"
         print(f"listening on {url}", flush=True)  # the one line a parent process reads
-        logger.info("api listening", url=url, schema=app[API].schema)
+        access = app[ACCESS]
+        logger.info("api listening", url=url, schema=app[API].schema,
+                    tokens=access.tokens.names, dev=access.dev,
+                    allowed_hosts=sorted(access.allowed_hosts))
         await stop.wait()
     finally:
         await runner.cleanup()
     logger.info("api stopped")
+
+
+class ApiConfigError(Exception):
+    """The API must not start as configured; the message says why and what to set."""
+
+
+def access_from_env(host: str) -> dict[str, Any]:
+    """make_app's trust arguments from the environment (tokens, dev mode, Host names), for an
+    API listening on `host`. Refuses (ApiConfigError) bad token files, and an API with no token
+    that would listen beyond loopback outside dev mode: the read model is customer data."""
+    try:
+        tokens = Tokens.load(env.api_tokens(), env.api_tokens_file())
+        allowed = allowed_host_names(env.api_allowed_hosts(), host)
+    except (TokenConfigError, ValueError) as exc:
+        raise ApiConfigError(str(exc)) from None
+    dev = env.api_dev_mode() and not tokens.configured  # tokens, when there are, rule
+    if not tokens.configured and not dev and not is_loopback(host):
+        raise ApiConfigError(
+            f"the API would listen on {host} with no API token: every task's data would be "
+            "open to anyone who reaches it. Set HALFWAY_API_TOKENS or HALFWAY_API_TOKENS_FILE "
+            "(docs/operator-api.md), or HALFWAY_API_DEV=1 for local development")
+    return {"tokens": tokens, "dev": dev, "allowed_hosts": allowed}

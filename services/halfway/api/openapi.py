@@ -1,13 +1,28 @@
-"""The OpenAPI 3.1 document of the HTTP API, written by hand, in this one module.
+"""The OpenAPI 3.1 document of the HTTP API, in this one module.
 
-The schemas are JSON Schema 2020-12 (OpenAPI 3.1's dialect); the tests validate real responses
-against them and check that every route the app serves is described here.
+What is generated and what is written. The request bodies of the write endpoints, and their
+answers, are pydantic models (`halfway.api.bodies`) that also validate every request; their
+schemas here are generated from those classes (`models_json_schema`), so the document says
+exactly what is checked. The read endpoints' answers are dicts shaped by `halfway.api.status`
+(shared with `halfway status --json`); their schemas are written here by hand, and the tests
+validate real answers against them and check that every route the app serves is described.
+
+Why not a framework that generates it all (FastAPI is not a dependency; Starlette and uvicorn
+are, through mcp): the API is aiohttp, which the gateway and the simulators use too, and its
+server-sent events, shutdown and the page are tested and work. Moving to another framework
+would rewrite working code for one generated document, while what drifts (bodies a client
+sends) is generated already. The schemas are JSON Schema 2020-12 (OpenAPI 3.1's dialect).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from pydantic.json_schema import models_json_schema
+
+from halfway.api.auth import SCOPES
+from halfway.api.bodies import ANSWERS, REQUEST_BODIES
+from halfway.api.operate import BODY_BYTES_MAX
 from halfway.api.queries import (
     ATTEMPTS_PER_STEP_MAX,
     CHECKS_PER_STEP_MAX,
@@ -177,6 +192,55 @@ SCHEMAS: dict[str, Any] = {
 
 _UNAVAILABLE = _error("The read model cannot be read (not created yet, or PostgreSQL is down).")
 
+
+def _generated() -> dict[str, Any]:
+    """The schemas of the request bodies and answers, from the pydantic models (with the
+    models they use, e.g. TaskPolicy)."""
+    _, defs = models_json_schema(
+        [(m, "validation") for m in REQUEST_BODIES] + [(m, "serialization") for m in ANSWERS],
+        ref_template="#/components/schemas/{model}")
+    return defs["$defs"]
+
+
+SCHEMAS.update(_generated())
+
+_READ = [{"bearer": ["read"]}]  # required once tokens are configured; see the description
+_UNAUTHENTICATED = {
+    "description": "No token, or one this API does not know (a `WWW-Authenticate: Bearer` "
+                   "challenge comes with it).",
+    "content": {"application/json": {"schema": _ref("Error")}}}
+_FORBIDDEN = _error("The token lacks the scope (`WWW-Authenticate` says which), or no tokens "
+                    "are configured at all (the write endpoints are then off).")
+_MISDIRECTED = _error("The Host header is not a name of this API (HALFWAY_API_ALLOWED_HOSTS).")
+_BROKER_DOWN = _error("The journal (Kafka) did not answer: whether the request is journaled is "
+                      "unknown; repeating it is safe.")
+_INVALID = _error("The body does not validate (the reason names the field).")
+
+
+def _body(name: str) -> dict[str, Any]:
+    return {"required": True,
+            "content": {"application/json": {"schema": _ref(name)}},
+            "description": f"JSON, at most {BODY_BYTES_MAX} bytes."}
+
+
+def _accepted(name: str, description: str) -> dict[str, Any]:
+    return {"description": description,
+            "content": {"application/json": {"schema": _ref(name)}}}
+
+
+def _write_errors(*, not_found: str | None = None,
+                  conflict: str | None = None) -> dict[str, Any]:
+    out = {"400": _error("Not JSON, or a malformed id in the path."),
+           "401": _UNAUTHENTICATED, "403": _FORBIDDEN,
+           "413": _error(f"The body is larger than {BODY_BYTES_MAX} bytes."),
+           "415": _error("The body is not application/json."),
+           "422": _INVALID, "503": _BROKER_DOWN}
+    if not_found:
+        out["404"] = _error(not_found)
+    if conflict:
+        out["409"] = _error(conflict)
+    return dict(sorted(out.items()))
+
 PATHS: dict[str, Any] = {
     "/": {"get": {
         "summary": "The web page: every task and step in three states, updated live.",
@@ -198,8 +262,50 @@ PATHS: dict[str, Any] = {
             "200": {"description": "The tasks.",
                     "content": {"application/json": {"schema": _ref("TaskList")}}},
             "400": _error("A query parameter is unknown or out of range."),
+            "401": _UNAUTHENTICATED, "403": _FORBIDDEN,
             "503": _UNAVAILABLE,
         },
+        "security": _READ,
+    }, "post": {
+        "summary": "Start a task: `task.requested` on the tasks topic (scope `start`). The "
+                   "same task id asked for again starts once.",
+        "operationId": "startTask",
+        "requestBody": _body("StartTask"),
+        "responses": {
+            "202": _accepted("TaskRequestedAnswer",
+                             "The request is in the tasks topic; the decider starts it."),
+            **_write_errors(),
+        },
+        "security": [{"bearer": ["start"]}],
+    }},
+    "/api/tasks/{task_id}/abort": {"post": {
+        "summary": "Call a task off: `task.aborted`, by `api:TOKEN_NAME` (scope `operate`). "
+                   "No new step is decided; steps in flight settle; a saga undoes what is done.",
+        "operationId": "abortTask",
+        "parameters": [{"name": "task_id", "in": "path", "required": True,
+                        "schema": {"type": "string", "pattern": TASK_ID_PATTERN}}],
+        "requestBody": _body("AbortTask"),
+        "responses": {
+            "202": _accepted("TaskAbortedAnswer", "`task.aborted` is in the journal."),
+            **_write_errors(not_found="The task has not started (nothing in the journal).",
+                            conflict="The task is finished, or called off already."),
+        },
+        "security": [{"bearer": ["operate"]}],
+    }},
+    "/api/steps/{step_id}/resolve": {"post": {
+        "summary": "Settle a step by hand: `step.settled` with source `operator`, resolved by "
+                   "`api:TOKEN_NAME` (scope `operate`).",
+        "operationId": "resolveStep",
+        "parameters": [{"name": "step_id", "in": "path", "required": True,
+                        "schema": {"type": "string", "pattern": STEP_ID_PATTERN}}],
+        "requestBody": _body("ResolveStep"),
+        "responses": {
+            "202": _accepted("StepResolvedAnswer", "The settlement is in the journal."),
+            **_write_errors(not_found="The step is not in the journal.",
+                            conflict="The step is settled already (send force to record a "
+                                     "second verdict, kept as a contradiction)."),
+        },
+        "security": [{"bearer": ["operate"]}],
     }},
     "/api/tasks/{task_id}": {"get": {
         "summary": "One task with every step, its attempts, checks and compensation.",
@@ -210,9 +316,11 @@ PATHS: dict[str, Any] = {
             "200": {"description": "The task.",
                     "content": {"application/json": {"schema": _ref("Task")}}},
             "400": _error("Not a task id."),
+            "401": _UNAUTHENTICATED, "403": _FORBIDDEN,
             "404": _error("No such task in the read model."),
             "503": _UNAVAILABLE,
         },
+        "security": _READ,
     }},
     "/api/events": {"get": {
         "summary": "Server-Sent Events: `ready` once connected, then `changed` whenever the "
@@ -221,8 +329,12 @@ PATHS: dict[str, Any] = {
         "responses": {
             "200": {"description": "An event stream; comments keep it alive.",
                     "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+            "401": _UNAUTHENTICATED, "403": _FORBIDDEN,
+            "429": _error("This client (token, or address without one) has too many streams "
+                          "open."),
             "503": _error("Too many live clients."),
         },
+        "security": _READ,
     }},
     "/api/openapi.json": {"get": {
         "summary": "This document.",
@@ -243,8 +355,16 @@ def document() -> dict[str, Any]:
                 "The read model of halfway, a journaled effects harness for AI agents. Every "
                 "step is in one of three states: done (with evidence), not done (safe to try "
                 "again, with the reason), or unknown (being checked: quote the reference, "
-                "`key`, and see `next_check_at`). An unknown step is never reported as failed."),
+                "`key`, and see `next_check_at`). An unknown step is never reported as failed. "
+                "Operators start tasks, call them off and resolve steps with bearer tokens; "
+                "every answer is checked against the Host names of the API (421 otherwise)."),
         },
         "paths": PATHS,
-        "components": {"schemas": SCHEMAS},
+        "components": {"schemas": SCHEMAS, "securitySchemes": {"bearer": {
+            "type": "http", "scheme": "bearer", "description": (
+                "A token from HALFWAY_API_TOKENS or HALFWAY_API_TOKENS_FILE, with scopes ("
+                + ", ".join(SCOPES) + "): `read` for the tasks and the live stream, `start` to "
+                "start a task, `operate` to call one off or resolve a step. Its name is "
+                "journaled as who acted (`api:NAME`). With no tokens configured the reads are "
+                "open and the writes refused (unless the API runs in dev mode).")}}},
     }

@@ -32,7 +32,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from halfway import log, metrics
+from halfway import log, metrics, tracing
 from halfway import settings as env
 from halfway.contract import (
     ClaimWithdrawn,
@@ -244,7 +244,8 @@ class Decider:
 
     async def _ask(self, task_id: str, n: int) -> None:
         retry_in_s = None
-        with log.bound(task_id=task_id, step_id=f"{task_id}:{n}"):
+        with log.bound(task_id=task_id, step_id=f"{task_id}:{n}"), tracing.span(
+                "halfway.decision", task_id, f"{task_id}:{n}", model=self.model.name):
             try:
                 if not self.follower.owns(task_id):
                     return  # revoked between the change and this task starting
@@ -428,6 +429,7 @@ class Decider:
     async def _write(self, event: Event) -> None:
         meta = await self.writer.append(event)
         self.follower.note_write(event.task_id, meta.partition, meta.offset)
+        tracing.record(event)  # on the decision's span, when traced
 
 
 def also_proposed(proposal: ProposeCall) -> list[ProposedCall]:

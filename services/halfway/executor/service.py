@@ -26,7 +26,7 @@ from datetime import UTC, datetime
 
 from aiokafka.structs import RecordMetadata
 
-from halfway import log, metrics
+from halfway import log, metrics, tracing
 from halfway import settings as env
 from halfway.contract import (
     EffectClass,
@@ -127,7 +127,10 @@ class Executor(StepWorker):
                                        undo=effect.undo))
 
     async def _move(self, effect: Effect, tool: Tool | None, action: Action) -> None:
-        with log.bound(task_id=effect.task_id, step_id=effect.step_id, undo=effect.undo):
+        with log.bound(task_id=effect.task_id, step_id=effect.step_id, undo=effect.undo), \
+                tracing.span("halfway.attempt" if isinstance(action, Call)
+                             else "halfway.settlement", effect.task_id, effect.step_id,
+                             undo=effect.undo, tool=effect.tool, action=type(action).__name__):
             try:
                 async with self._slots:
                     await self._perform(effect, tool, action)
@@ -220,4 +223,5 @@ class Executor(StepWorker):
     async def _write(self, event: Event) -> RecordMetadata:
         meta = await self.writer.append(event)
         self.follower.note_write(event.task_id, meta.partition, meta.offset)
+        tracing.record(event)  # on the attempt's span, when traced
         return meta

@@ -29,7 +29,7 @@ from datetime import UTC, datetime
 
 from aiokafka.structs import ConsumerRecord
 
-from halfway import log
+from halfway import log, tracing
 from halfway import settings as env
 from halfway.contract import Event, Outcome, SettlementSource, parse_step_id
 from halfway.contract.ids import UNDO_SUFFIX
@@ -51,6 +51,7 @@ from halfway.core.reconcile import (
     Quarantine,
     Settle,
     WebhookMove,
+    declared_report,
     weigh_webhook,
 )
 from halfway.journal import JournalWriter
@@ -119,6 +120,8 @@ class Reconciler(StepWorker):
             read = getattr(tool.adapter, "read_webhook", None)
             if read is not None:
                 report = read(parse_args(tool.spec.args_model, dict(effect.args)), hook)
+            else:  # the provider's declared mapping speaks for a tool that reads no webhooks
+                report = declared_report(hook, tool.spec.evidence_id)
         elif effect is not None:
             return Ignore(f"no tool {effect.tool} here to read it")
         # With lookups off, nothing can corroborate a negative report: its word is all there is.
@@ -150,10 +153,12 @@ class Reconciler(StepWorker):
                 return False
             case Settle():
                 assert effect is not None
-                await self._write(effect.settled(
-                    stamp(effect.task_id), outcome=move.outcome, evidence=move.evidence,
-                    reason=move.reason, effect_id=move.effect_id,
-                    contradiction=move.contradiction, source=SettlementSource.WEBHOOK))
+                with tracing.span("halfway.settlement", effect.task_id, effect.step_id,
+                                  source="webhook", undo=effect.undo, tool=effect.tool):
+                    await self._write(effect.settled(
+                        stamp(effect.task_id), outcome=move.outcome, evidence=move.evidence,
+                        reason=move.reason, effect_id=move.effect_id,
+                        contradiction=move.contradiction, source=SettlementSource.WEBHOOK))
                 self._log.info("webhook journaled", outcome=move.outcome,
                                contradiction=move.contradiction, **fields)
                 return True
@@ -188,7 +193,9 @@ class Reconciler(StepWorker):
 
     async def _lookup(self, effect: Effect, tool: Tool) -> None:
         spec = tool.spec
-        with log.bound(task_id=effect.task_id, step_id=effect.step_id, undo=effect.undo):
+        with log.bound(task_id=effect.task_id, step_id=effect.step_id, undo=effect.undo), \
+                tracing.span("halfway.settlement", effect.task_id, effect.step_id,
+                             source="lookup", undo=effect.undo, tool=effect.tool):
             try:
                 async with self._slots:
                     args = parse_args(spec.args_model, dict(effect.args))
@@ -241,6 +248,7 @@ class Reconciler(StepWorker):
     async def _write(self, event: Event) -> None:
         meta = await self.writer.append(event)
         self.follower.note_write(event.task_id, meta.partition, meta.offset)
+        tracing.record(event)  # on the settlement's span, when traced
 
 
 def _effect_named(state: TaskState | None, key: str | None) -> Effect | None:
