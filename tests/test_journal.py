@@ -519,3 +519,24 @@ async def test_a_consumer_whose_dead_letters_fail_skips_the_record_and_goes_on(
     assert event == "dead letter lost: record skipped"
     assert (fields["topic"], fields["partition"], fields["offset"]) == (
         TASKS.name(own_topics.topic_prefix), bad.partition, bad.offset)
+
+
+@broker
+async def test_a_wake_ends_a_quiet_fetch_and_loses_no_record(
+        topics: KafkaSettings, writer: JournalWriter) -> None:
+    """A service with work besides records (a timer fired) sets the wake: the fetch that was
+    waiting for records ends with nothing, and the record that comes next is still delivered."""
+    task = f"wake-{uuid.uuid4().hex[:8]}"
+    async with EventConsumer(topics, topics=(TASKS,), group=group(), writer=writer) as consumer:
+        wake = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.05, wake.set)
+        # Without the wake this fetch would wait ten minutes for a record that never comes.
+        async with asyncio.timeout(WAIT_S):
+            assert await consumer.batch(600_000, wake=wake) == []
+        assert not wake.is_set()  # taken: the next quiet fetch waits again
+        request = Stamper(task).requested()
+        await writer.append(request, TASKS)
+        async with asyncio.timeout(WAIT_S):
+            got: list[Delivery] = []
+            while not any(d.event == request for d in got):
+                got += await consumer.batch(1000, wake=asyncio.Event())

@@ -78,8 +78,7 @@ OnAssign = Callable[[set[int]], Awaitable[None]]
 OnRevoke = Callable[[set[int]], None]
 # `HALFWAY_SNAPSHOTS=off`: never read or write snapshots (every restart replays from zero).
 SNAPSHOTS_ENV = "HALFWAY_SNAPSHOTS"
-# How long one fetch waits when the journal is quiet: also the latency of a timer the service
-# set (a due lookup) being acted on.
+# How long one fetch waits when the journal is quiet (a `touch` ends the wait at once).
 IDLE_FETCH_MS = 100
 # A task whose act failed is tried again after RETRY_S_MIN, doubling up to RETRY_S_MAX; after
 # FAILURES_MAX failures in a row the service's `on_give_up` is called (once).
@@ -181,6 +180,7 @@ class JournalFollower:
         self._failures: dict[str, int] = {}
         self._retries: dict[str, asyncio.TimerHandle] = {}
         self._progress = asyncio.Condition()
+        self._wake = asyncio.Event()  # set by `touch`: the quiet fetch ends at once
         self._committed_at_s = 0.0
         self.on_give_up: Callable[[str, BaseException], Awaitable[None]] | None = None
         self._seal_after = None if seal_after_s is None else timedelta(seconds=seal_after_s)
@@ -217,7 +217,7 @@ class JournalFollower:
                 # starves the consumer's heartbeat (the group then takes the partitions away
                 # and the replay starts over).
                 await asyncio.sleep(0)
-                deliveries = await self._consumer.batch(IDLE_FETCH_MS)
+                deliveries = await self._consumer.batch(IDLE_FETCH_MS, wake=self._wake)
                 for d in deliveries:
                     self._apply(d.event, TopicPartition(d.topic, d.partition), d.offset)
                 await self._refresh_positions()
@@ -270,8 +270,10 @@ class JournalFollower:
                    if tp.topic == self._journal)
 
     def touch(self, task_id: str) -> None:
-        """Report the task again at the next batch (a timer fired)."""
+        """Report the task again at the next batch (a timer fired), without waiting out a
+        quiet fetch."""
         self._dirty.add(task_id)
+        self._wake.set()
 
     async def for_each(self, task_ids: Iterable[str],
                        act: Callable[[str], Awaitable[None]]) -> None:

@@ -11,6 +11,8 @@ event: at-least-once, with every output idempotent.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 from typing import Any, Self
@@ -109,10 +111,12 @@ class EventConsumer:
             for delivery in await self.batch():
                 yield delivery
 
-    async def batch(self, timeout_ms: int = FETCH_TIMEOUT_MS) -> list[Delivery]:
-        """The valid events of one fetch (possibly none), invalid ones dead-lettered."""
-        batches = await self._consumer.getmany(timeout_ms=timeout_ms,
-                                               max_records=FETCH_RECORDS_MAX)
+    async def batch(self, timeout_ms: int = FETCH_TIMEOUT_MS,
+                    wake: asyncio.Event | None = None) -> list[Delivery]:
+        """The valid events of one fetch (possibly none), invalid ones dead-lettered. With
+        `wake`, a quiet fetch ends early (with nothing) once it is set, and one that starts
+        set does not wait at all: the caller has work besides the records (a timer fired)."""
+        batches = await self._fetch(timeout_ms, wake)
         out = []
         for records in batches.values():
             for record in records:
@@ -120,6 +124,31 @@ class EventConsumer:
                 if delivery is not None:
                     out.append(delivery)
         return out
+
+    async def _fetch(self, timeout_ms: int,
+                     wake: asyncio.Event | None) -> dict[TopicPartition, list[ConsumerRecord]]:
+        if wake is None:
+            return await self._consumer.getmany(timeout_ms=timeout_ms,
+                                                max_records=FETCH_RECORDS_MAX)
+        if wake.is_set():
+            wake.clear()
+            return await self._consumer.getmany(timeout_ms=0, max_records=FETCH_RECORDS_MAX)
+        getter = asyncio.ensure_future(self._consumer.getmany(timeout_ms=timeout_ms,
+                                                              max_records=FETCH_RECORDS_MAX))
+        waker = asyncio.ensure_future(wake.wait())
+        try:
+            await asyncio.wait((getter, waker), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waker.cancel()
+        wake.clear()
+        if not getter.done():
+            # Safe: aiokafka drains its buffer and returns without awaiting in between, so a
+            # cancelled getmany was only waiting and took no record with it.
+            getter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await getter
+            return {}
+        return getter.result()
 
     async def _accept(self, record: ConsumerRecord) -> Delivery | None:
         try:
