@@ -189,6 +189,16 @@ def run(service: Annotated[Runnable, typer.Argument(help="which service")],
         from halfway import metrics
 
         metrics.serve_from_env(metrics_port)
+    from halfway.journal.admin import TopicLayoutError
+
+    try:
+        _run_service(service, app_ref, model)
+    except TopicLayoutError as exc:  # an operator's decision: waiting would not mend it
+        typer.echo(f"halfway: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _run_service(service: Runnable, app_ref: str | None, model: str | None) -> None:
     match service:
         case Runnable.GATEWAY:
             from halfway.gateway import serve_gateway

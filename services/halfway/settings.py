@@ -232,6 +232,9 @@ class KafkaSettings:
     bootstrap: str
     topic_prefix: str
     replication_factor: int
+    # Partitions of each topic that scales, for topics this deployment creates
+    # (HALFWAY_PARTITIONS); existing topics keep theirs.
+    partitions: int = field(default=6, compare=False)
     # How clients authenticate and encrypt, as aiokafka's keyword arguments
     # (`security_protocol`, `sasl_mechanism`, ...); empty: plaintext, no authentication.
     # Never in a repr: it holds the password.
@@ -245,6 +248,7 @@ class KafkaSettings:
             bootstrap=kafka_bootstrap(),
             topic_prefix=os.environ.get("HALFWAY_TOPIC_PREFIX", "halfway."),
             replication_factor=int(os.environ.get("HALFWAY_REPLICATION_FACTOR", "1")),
+            partitions=partitions(),
             security=kafka_security(kind),
         )
 
@@ -266,6 +270,26 @@ class KafkaSettings:
         """The same broker and topics, with the credentials of `kind` (from the environment
         or the dev credentials file, as `from_env`)."""
         return dataclasses.replace(self, security=kafka_security(kind))
+
+
+PARTITIONS_ENV = "HALFWAY_PARTITIONS"
+DEFAULT_PARTITIONS = 6
+PARTITIONS_MAX = 1000
+
+
+def partitions() -> int:
+    """Partitions per topic for a new deployment's topics (`HALFWAY_PARTITIONS`, default 6):
+    the most instances of one service that can share the work."""
+    raw = os.environ.get(PARTITIONS_ENV, "").strip()
+    if not raw:
+        return DEFAULT_PARTITIONS
+    try:
+        count = int(raw)
+    except ValueError:
+        raise ValueError(f"{PARTITIONS_ENV}={raw[:40]!r} is not a whole number") from None
+    if not 1 <= count <= PARTITIONS_MAX:
+        raise ValueError(f"{PARTITIONS_ENV}={count} is outside 1..{PARTITIONS_MAX}")
+    return count
 
 
 def paysim_url() -> str:

@@ -20,13 +20,20 @@ class TopicSpec:
     key: str  # what the record key is, in words: it decides ordering
     configs: dict[str, str] = field(default_factory=dict)
     about: str = ""
+    # `partitions` is the default; a new deployment sets its own count for every topic that
+    # scales (`HALFWAY_PARTITIONS`). Topics keyed by task id must agree on it: a key goes to
+    # partition murmur2(key) % count, and one service instance reads the same partition
+    # number of each.
+    scales: bool = True
 
     def name(self, prefix: str = "halfway.") -> str:
         return prefix + self.suffix
 
 
 # Partition counts bound how many instances of a service share the work; 6 divides evenly
-# among 1, 2, 3 or 6 instances and is cheap on a single local broker.
+# among 1, 2, 3 or 6 instances and is cheap on a single local broker. A bigger deployment sets
+# its own when it creates its topics (HALFWAY_PARTITIONS); an existing topic keeps its count,
+# because a task's history stays where its key hashed (see docs/architecture.md).
 TASKS = TopicSpec(
     "tasks", 6, "task_id", KEEP_FOREVER, "task.requested, published by callers"
 )
@@ -65,7 +72,10 @@ DEAD_LETTERS = TopicSpec(
     KEEP_FOREVER,
     "records no service could apply: the reason, where the original lives, its size and digest, "
     "and a bounded excerpt",
+    scales=False,  # few records, read by people: one partition keeps them in one order
 )
+# Topics keyed by task id: partition n of each holds the same tasks (the same count).
+TASK_KEYED: tuple[TopicSpec, ...] = (TASKS, JOURNAL, WEBHOOKS, OUTCOMES)
 
 # Snapshots are disposable (halfway.journal.snapshots): a week of them is kept, and a follower
 # refreshes its own daily, so the one its group's commit points to is always there.

@@ -13,7 +13,7 @@ from aiokafka.errors import (
 )
 
 from halfway import log
-from halfway.contract.topics import ALL_TOPICS, TopicSpec
+from halfway.contract.topics import ALL_TOPICS, TASK_KEYED, TopicSpec
 from halfway.settings import KafkaSettings
 
 TOPIC_ALREADY_EXISTS = 36
@@ -41,7 +41,8 @@ async def ensure_topics(settings: KafkaSettings,
         if not wanted:
             return []
         response = await admin.create_topics(
-            [NewTopic(name=s.name(settings.topic_prefix), num_partitions=s.partitions,
+            [NewTopic(name=s.name(settings.topic_prefix),
+                      num_partitions=settings.partitions if s.scales else s.partitions,
                       replication_factor=settings.replication_factor, topic_configs=s.configs)
              for s in wanted],
             timeout_ms=CREATE_TIMEOUT_MS,
@@ -72,7 +73,9 @@ async def ensure_topics_once_up(settings: KafkaSettings,
     delay_s = BROKER_WAIT_S_MIN
     while True:
         try:
-            return await ensure_topics(settings, specs)
+            created = await ensure_topics(settings, specs)
+            await check_layout(settings, tuple(s for s in specs if s in TASK_KEYED))
+            return created
         except TopicAuthorizationFailedError as exc:
             # A service may not create topics: the admin (`halfway topics`, `halfway dev`,
             # `infra/dev up`) has not created this prefix's yet.
@@ -86,6 +89,28 @@ async def ensure_topics_once_up(settings: KafkaSettings,
                            error=str(exc)[:300], retry_in_s=delay_s)
             await asyncio.sleep(delay_s)
             delay_s = min(BROKER_WAIT_S_MAX, delay_s * 2)
+
+
+class TopicLayoutError(ValueError):
+    """The topics cannot work together (their partition counts differ): an operator's
+    decision, never something a service can wait out."""
+
+
+async def check_layout(settings: KafkaSettings, specs: tuple[TopicSpec, ...]) -> None:
+    """Topics keyed by task id must have one partition count: partition n of each holds the
+    same tasks, and a service instance reads the same numbers of all of them."""
+    if len(specs) < 2:
+        return
+    counts = {}
+    for spec in specs:
+        name = spec.name(settings.topic_prefix)
+        counts[name] = len(await topic_partitions(settings, name))
+    if len(set(counts.values())) > 1:
+        listed = ", ".join(f"{name}: {n}" for name, n in counts.items())
+        raise TopicLayoutError(
+            f"topics keyed by task id have different partition counts ({listed}); they must "
+            f"agree: recreate them under a new HALFWAY_TOPIC_PREFIX with HALFWAY_PARTITIONS "
+            f"set (an existing journal's count cannot change, see docs/architecture.md)")
 
 
 async def delete_topics(settings: KafkaSettings, specs: tuple[TopicSpec, ...] = ALL_TOPICS) -> None:

@@ -68,6 +68,7 @@ from halfway.contract.topics import JOURNAL, TASKS
 from halfway.core.args import parse_args
 from halfway.core.fold import TaskState, TaskStatus
 from halfway.journal import JournalWriter
+from halfway.journal.admin import topic_partitions
 from halfway.journal.records import stamp
 from halfway.mcp.answers import (
     NOT_DONE,
@@ -194,11 +195,12 @@ class Proxy:
         try:
             async with asyncio.timeout(READY_WAIT_S):
                 await self.decider.guards.caught_up()
+                journal = JOURNAL.name(self.settings.topic_prefix)
+                count = len(await topic_partitions(self.settings, journal))
                 while True:
                     lags = self.decider.follower.partition_lags()
-                    journal = JOURNAL.name(self.settings.topic_prefix)
                     owned = sum(1 for topic, *_ in lags if topic == journal)
-                    if owned >= JOURNAL.partitions and all(up for *_, up in lags):
+                    if owned >= count and all(up for *_, up in lags):
                         break
                     await asyncio.sleep(READY_POLL_S)  # nothing notifies a catch-up
         except TimeoutError:

@@ -38,9 +38,10 @@ from pydantic import ValidationError
 
 from halfway import log
 from halfway.contract.outcomes import OutcomeChanged, parse_outcome
-from halfway.contract.topics import JOURNAL, OUTCOMES
+from halfway.contract.topics import OUTCOMES
 from halfway.core.fold import TaskState
 from halfway.journal import JournalWriter
+from halfway.journal.admin import topic_partitions
 from halfway.journal.follower import JournalFollower
 from halfway.journal.limits import fetch_limits
 from halfway.journal.records import describe
@@ -64,8 +65,8 @@ class _Task:
 class OutcomesPublisher:
     def __init__(self, settings: KafkaSettings, writer: JournalWriter,
                  group: str | None = None) -> None:
-        # Same partition number on both topics holds the same tasks only if the counts agree.
-        assert OUTCOMES.partitions == JOURNAL.partitions, "outcomes must mirror the journal"
+        # Same partition number on both topics holds the same tasks only if the counts agree
+        # (halfway.journal.admin.check_layout refuses to start otherwise).
         self.settings = settings
         self.writer = writer
         group = group or f"{settings.topic_prefix}outcomes"  # one group per deployment
@@ -171,7 +172,8 @@ async def _read(settings: KafkaSettings, partitions: set[int] | None,
                                 **fetch_limits())
     await consumer.start()
     try:
-        numbers = partitions if partitions is not None else set(range(OUTCOMES.partitions))
+        numbers = partitions if partitions is not None else await topic_partitions(settings,
+                                                                                    topic)
         tps = [TopicPartition(topic, p) for p in sorted(numbers)]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
