@@ -122,7 +122,8 @@ def positions(records: list[Record]) -> dict[TopicPartition, int]:
 def view(f: JournalFollower) -> dict[str, Any]:
     """Everything a follower's decisions depend on."""
     return {"states": f.states, "sealed": f.sealed, "requests": f.requests,
-            "first_attempt": f.first_attempt, "ended": {n: list(d) for n, d in f._ended.items()},
+            "first_attempt": f.first_attempt,
+            "ended": {n: list(d) for n, d in f._ended.items() if d},  # an empty queue is none
             "ended_last": f._ended_last, "history": f._history,
             "applied_to": {tp: p.applied_to for tp, p in f._partitions.items()}}
 
@@ -145,7 +146,8 @@ async def test_snapshot_and_tail_give_the_state_a_replay_from_zero_gives(
     assert image.side_next == positions(head)[SIDE_TP]
 
     restored = follower()
-    restored._restore(JOURNAL_TP, snapshots.decode(snapshots.encode(image)))
+    await restored._restore(JOURNAL_TP, snapshots.decode(snapshots.encode(image)),
+                            restored._partitions)
     restored._partitions[SIDE_TP].applied_to = image.side_next - 1
     feed(restored, tail, {JOURNAL_TP: image.journal_next, SIDE_TP: image.side_next})
 

@@ -232,13 +232,13 @@ class KafkaSettings:
     bootstrap: str
     topic_prefix: str
     replication_factor: int
-    # Partitions of each topic that scales, for topics this deployment creates
-    # (HALFWAY_PARTITIONS); existing topics keep theirs.
-    partitions: int = field(default=6, compare=False)
     # How clients authenticate and encrypt, as aiokafka's keyword arguments
     # (`security_protocol`, `sasl_mechanism`, ...); empty: plaintext, no authentication.
     # Never in a repr: it holds the password.
     security: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # Partitions of each topic that scales, for topics this deployment creates
+    # (HALFWAY_PARTITIONS); existing topics keep theirs.
+    partitions: int = field(default=6, compare=False)
 
     @classmethod
     def from_env(cls, kind: str = "admin") -> KafkaSettings:

@@ -274,7 +274,7 @@ def _grant_default_prefix(lay: Layout) -> str:
     from halfway.journal.acls import ensure_acls
 
     prefix = os.environ.get("HALFWAY_TOPIC_PREFIX", "halfway.")
-    target = settings.KafkaSettings(bootstrap_servers(), prefix, 1, admin_security(lay))
+    target = settings.KafkaSettings(bootstrap_servers(), prefix, 1, security=admin_security(lay))
     try:
         count = paths.run_coroutine(lambda: ensure_acls(target))
     except Exception as exc:

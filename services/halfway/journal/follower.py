@@ -78,6 +78,7 @@ OnAssign = Callable[[set[int]], Awaitable[None]]
 OnRevoke = Callable[[set[int]], None]
 # `HALFWAY_SNAPSHOTS=off`: never read or write snapshots (every restart replays from zero).
 SNAPSHOTS_ENV = "HALFWAY_SNAPSHOTS"
+RESTORE_BATCH = 2000  # items restored from an image between two yields to the loop
 # How long one fetch waits when the journal is quiet (a `touch` ends the wait at once).
 IDLE_FETCH_MS = 100
 # A task whose act failed is tried again after RETRY_S_MIN, doubling up to RETRY_S_MAX; after
@@ -600,29 +601,51 @@ class JournalFollower:
             return
         if self._on_assign is not None:
             await self._on_assign({tp.partition for tp in new if tp.topic == self._journal})
+        if not self.snapshots:
+            await self._adopt_from_zero(new)
+            return
+        # The new partitions join `_partitions` only once their state and start are set, with
+        # no await in between: until then `_apply` drops what the consumer fetches for them
+        # (from wherever it starts by itself: the group's committed offset, which points at
+        # the snapshot), and nothing reports them caught up. The seeks below make the consumer
+        # read those records again.
+        ends = await kafka.end_offsets(new)
+        parts = {tp: _Partition(end_at_assign=ends[tp]) for tp in new}
+        for tp in new:
+            if tp.topic == self._webhooks:
+                parts[tp].noticed_to = await kafka.committed(tp) or 0
+        images = await self._images(new)
+        starts: dict[TopicPartition, int] = {}
+        for tp in new:
+            image = images.get(tp.partition)
+            if image is None:
+                starts[tp] = 0  # replay: the journal is the only state
+            elif tp.topic == self._journal:
+                await self._restore(tp, image, parts)
+                starts[tp] = image.journal_next
+            elif image.side_next is not None:
+                parts[tp].applied_to = image.side_next - 1
+                starts[tp] = image.side_next
+            else:
+                starts[tp] = 0
+        self._partitions.update(parts)
+        for tp, offset in starts.items():
+            kafka.seek(tp, offset)  # below the log's start, the consumer resets to earliest
+        self._log.info("partitions assigned", partitions=sorted(tp.partition for tp in new),
+                       restored=sorted(images))
+
+    async def _adopt_from_zero(self, new: list[TopicPartition]) -> None:
+        """Without snapshots: every new partition is replayed from offset zero (the group
+        commits no journal offset, so the consumer starts there by itself too)."""
+        kafka = self._consumer.kafka
         ends = await kafka.end_offsets(new)
         for tp in new:
             self._partitions[tp] = _Partition(end_at_assign=ends[tp])
             if tp.topic == self._webhooks:
                 self._partitions[tp].noticed_to = await kafka.committed(tp) or 0
-        images = await self._images(new)
-        replay = []
-        for tp in new:
-            image = images.get(tp.partition)
-            if image is None:
-                replay.append(tp)
-            elif tp.topic == self._journal:
-                self._restore(tp, image)
-                kafka.seek(tp, image.journal_next)
-            elif image.side_next is not None:
-                self._partitions[tp].applied_to = image.side_next - 1
-                kafka.seek(tp, image.side_next)
-            else:
-                replay.append(tp)
-        if replay:
-            await kafka.seek_to_beginning(*replay)  # replay: the journal is the only state
+        await kafka.seek_to_beginning(*new)  # replay: the journal is the only state
         self._log.info("partitions assigned", partitions=sorted(tp.partition for tp in new),
-                       restored=sorted(images))
+                       restored=[])
 
     # -- snapshots (halfway.journal.snapshots) ---------------------------------------------
 
@@ -639,18 +662,24 @@ class JournalFollower:
         images = await snaps.load(self._settings, self.group, journal)
         return {n: image for n, image in images.items() if n in numbers}
 
-    def _restore(self, tp: TopicPartition, image: snaps.Image) -> None:
-        """The state the journal before `image.journal_next` gives, from its image."""
-        part = self._partitions[tp]
-        for task_id, status in image.sealed:
+    async def _restore(self, tp: TopicPartition, image: snaps.Image,
+                       parts: dict[TopicPartition, _Partition]) -> None:
+        """The state the journal before `image.journal_next` gives, from its image, into the
+        partitions being adopted. Yields to the loop every RESTORE_BATCH items: the consumer's
+        heartbeat goes on meanwhile."""
+        part = parts[tp]
+        for i, (task_id, status) in enumerate(image.sealed):
             self.states[task_id] = TaskState(task_id=task_id, status=TaskStatus(status))
             self.sealed.add(task_id)
             part.tasks.add(task_id)
-        for offset, event in image.events:
+            if i % RESTORE_BATCH == RESTORE_BATCH - 1:
+                await asyncio.sleep(0)
+        for i, (offset, event) in enumerate(image.events):
             self._fold(event, offset)
             part.tasks.add(event.task_id)
-        side = None if self._side is None else self._partitions.get(
-            TopicPartition(self._side, tp.partition))
+            if i % RESTORE_BATCH == RESTORE_BATCH - 1:
+                await asyncio.sleep(0)
+        side = None if self._side is None else parts.get(TopicPartition(self._side, tp.partition))
         for request in image.requests:
             self.requests.setdefault(request.task_id, request)
             if side is not None:
