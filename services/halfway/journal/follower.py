@@ -66,6 +66,7 @@ from halfway.contract.webhooks import WebhookReceived
 from halfway.core.fold import StepStatus, TaskState, TaskStatus, apply
 from halfway.journal import snapshots as snaps
 from halfway.journal.reader import EventConsumer
+from halfway.journal.records import Delivery
 from halfway.journal.writer import JournalWriter
 from halfway.settings import KafkaSettings
 
@@ -182,6 +183,9 @@ class JournalFollower:
         self._retries: dict[str, asyncio.TimerHandle] = {}
         self._progress = asyncio.Condition()
         self._wake = asyncio.Event()  # set by `touch`: the quiet fetch ends at once
+        # Partitions adopted while a fetch was under way: (adoption number, start offset).
+        self._adoptions = 0
+        self._adopted: dict[TopicPartition, tuple[int, int]] = {}
         self._committed_at_s = 0.0
         self.on_give_up: Callable[[str, BaseException], Awaitable[None]] | None = None
         self._seal_after = None if seal_after_s is None else timedelta(seconds=seal_after_s)
@@ -218,7 +222,10 @@ class JournalFollower:
                 # starves the consumer's heartbeat (the group then takes the partitions away
                 # and the replay starts over).
                 await asyncio.sleep(0)
+                adoptions = self._adoptions
                 deliveries = await self._consumer.batch(IDLE_FETCH_MS, wake=self._wake)
+                if self._adoptions != adoptions:
+                    deliveries = self._not_before_adoption(deliveries, adoptions)
                 for d in deliveries:
                     self._apply(d.event, TopicPartition(d.topic, d.partition), d.offset)
                 await self._refresh_positions()
@@ -440,6 +447,25 @@ class JournalFollower:
                 if step.compensation is not None:
                     self.first_attempt.pop(step.compensation.key, None)
 
+    def _not_before_adoption(self, deliveries: list[Delivery],
+                             adoptions: int) -> list[Delivery]:
+        """A fetch that was under way while partitions were adopted may hold their records
+        from before the adoption's seek (from wherever the consumer started by itself), out
+        of order with what the seek reads. They are dropped, and the partition is sought to
+        its start again, so whatever of them came from after the seek is read once more."""
+        kept, again = [], {}
+        for d in deliveries:
+            tp = TopicPartition(d.topic, d.partition)
+            adopted = self._adopted.get(tp)
+            if adopted is not None and adopted[0] > adoptions:
+                again[tp] = adopted[1]
+            else:
+                kept.append(d)
+        for tp, start in again.items():
+            if tp in self._partitions:
+                self._consumer.kafka.seek(tp, start)
+        return kept
+
     async def _refresh_positions(self) -> None:
         kafka = self._consumer.kafka
         for tp, part in list(self._partitions.items()):
@@ -565,6 +591,7 @@ class JournalFollower:
             if part is None:
                 continue
             self._paused.discard(tp)
+            self._adopted.pop(tp, None)
             if tp.topic == self._journal:
                 self._ended.pop(tp.partition, None)
                 self.restored.pop(tp.partition, None)
@@ -601,14 +628,12 @@ class JournalFollower:
             return
         if self._on_assign is not None:
             await self._on_assign({tp.partition for tp in new if tp.topic == self._journal})
-        if not self.snapshots:
-            await self._adopt_from_zero(new)
-            return
         # The new partitions join `_partitions` only once their state and start are set, with
         # no await in between: until then `_apply` drops what the consumer fetches for them
         # (from wherever it starts by itself: the group's committed offset, which points at
         # the snapshot), and nothing reports them caught up. The seeks below make the consumer
-        # read those records again.
+        # read those records again; a fetch under way meanwhile is sorted out by
+        # `_not_before_adoption`.
         ends = await kafka.end_offsets(new)
         parts = {tp: _Partition(end_at_assign=ends[tp]) for tp in new}
         for tp in new:
@@ -629,23 +654,12 @@ class JournalFollower:
             else:
                 starts[tp] = 0
         self._partitions.update(parts)
+        self._adoptions += 1
         for tp, offset in starts.items():
             kafka.seek(tp, offset)  # below the log's start, the consumer resets to earliest
+            self._adopted[tp] = (self._adoptions, offset)
         self._log.info("partitions assigned", partitions=sorted(tp.partition for tp in new),
                        restored=sorted(images))
-
-    async def _adopt_from_zero(self, new: list[TopicPartition]) -> None:
-        """Without snapshots: every new partition is replayed from offset zero (the group
-        commits no journal offset, so the consumer starts there by itself too)."""
-        kafka = self._consumer.kafka
-        ends = await kafka.end_offsets(new)
-        for tp in new:
-            self._partitions[tp] = _Partition(end_at_assign=ends[tp])
-            if tp.topic == self._webhooks:
-                self._partitions[tp].noticed_to = await kafka.committed(tp) or 0
-        await kafka.seek_to_beginning(*new)  # replay: the journal is the only state
-        self._log.info("partitions assigned", partitions=sorted(tp.partition for tp in new),
-                       restored=[])
 
     # -- snapshots (halfway.journal.snapshots) ---------------------------------------------
 
