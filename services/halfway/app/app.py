@@ -92,7 +92,7 @@ class FunctionTool:
 
     def spec(self) -> ToolSpec:
         o = self._options
-        undo = _undo_plan(o["undo"])
+        undo = undo_plan(o["undo"])
         role = o["saga_role"]
         if role is None and undo is not None:
             role = SagaRole.COMPENSABLE  # declaring an undo is declaring it compensable
@@ -307,7 +307,8 @@ def _subject_of(subject: str | Callable[[Any], str | None] | None, tool: str,
     return lambda args: subject.format_map(args.model_dump())
 
 
-def _undo_plan(undo: UndoSpec | None) -> CompensationPlan | None:
+def undo_plan(undo: UndoSpec | None) -> CompensationPlan | None:
+    """An undo as declared (a plan, a mapping, or `("tool", {args})`) as the plan it is."""
     if undo is None or isinstance(undo, CompensationPlan):
         return undo
     if isinstance(undo, tuple):

@@ -20,6 +20,7 @@ from typing import Any
 from mcp_types import ToolAnnotations
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from halfway.app.app import UndoSpec, undo_plan
 from halfway.contract import CompensationPlan, EffectClass, SagaRole
 
 
@@ -38,7 +39,7 @@ class ToolOverride(BaseModel):
     # A read-only tool of the same server that finds the effect named by our key.
     lookup: str | None = None
     # What undoes the effect: {"tool": ..., "args": {...}} or (tool, args), as for app tools.
-    undo: CompensationPlan | tuple[str, Mapping[str, Any]] | Mapping[str, Any] | None = None
+    undo: UndoSpec | None = None
     saga_role: SagaRole | None = None
     # isError results prove the effect did not happen (else they are unknown).
     errors_are_refusals: bool = False
@@ -57,13 +58,7 @@ class ToolOverride(BaseModel):
         return value
 
     def undo_plan(self) -> CompensationPlan | None:
-        undo = self.undo
-        if undo is None or isinstance(undo, CompensationPlan):
-            return undo
-        if isinstance(undo, tuple):
-            tool, args = undo
-            return CompensationPlan(tool=tool, args=dict(args))
-        return CompensationPlan.model_validate(dict(undo))
+        return undo_plan(self.undo)
 
 
 def parse_overrides(server: str, tools: Mapping[str, Mapping[str, Any] | ToolOverride] | None
