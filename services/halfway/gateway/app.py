@@ -323,8 +323,9 @@ async def receive(request: web.Request) -> web.Response:
         logger.warning("webhook refused", why="malformed", status=exc.status,
                        reason=exc.reason[:ERROR_CHARS_MAX])
         return _refuse(exc.status, exc.reason)
-    # Reserved now, before any await, so a concurrent replay of this request is a 409 too.
-    gateway.signatures.add(seen, now_s)
+    # Reserved now, before any await, so a concurrent replay of this request is a 409 too. A
+    # signature from the future stays fresh until its own time: remembered from then on.
+    gateway.signatures.add(seen, max(now_s, float(verified.signed_at_s)))
     accepted = False
     try:
         with log.bound(task_id=received.task_id):
