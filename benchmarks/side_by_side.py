@@ -432,10 +432,14 @@ class Halfway(System):
                                   "HALFWAY_LOG_LEVEL": "WARNING", "HALFWAY_MODEL": "scripted",
                                   "STUB_URL": bench.stub_url, "PYTHONUNBUFFERED": "1"}
         env.pop("HALFWAY_MODEL_CALL_LOG", None)  # the model must not fsync a file per answer
-        for service in ("decider", "executor", "reconciler"):
+        services = [*(["decider", "executor"] * bench.pairs), "reconciler"]
+        seen: dict[str, int] = {}
+        for service in services:
+            seen[service] = seen.get(service, 0) + 1
+            name = service if seen[service] == 1 else f"{service}-{seen[service]}"
             self.procs.append(await spawn(
-                service, [sys.executable, "-m", "halfway.cli", "run", service,
-                          "--app", "bench_app:app"], bench.logdir, env=env, cwd=HERE))
+                name, [sys.executable, "-m", "halfway.cli", "run", service,
+                       "--app", "bench_app:app"], bench.logdir, env=env, cwd=HERE))
         self.watcher = FinishWatcher(self.settings)
         await self.watcher.start()
         self.client = HalfwayClient(self.settings)
@@ -674,6 +678,7 @@ class Bench:
     logdir: Path
     stub_url: str = ""
     stub_pid: int = 0
+    pairs: int = 1  # halfway decider+executor instances sharing the work (one group each)
 
 
 def pct(samples: list[float], p: int) -> float:
@@ -836,6 +841,8 @@ def parse_args() -> argparse.Namespace:
                         help="tasks started at once per round and system (0: skip)")
     parser.add_argument("--floor-samples", type=int, default=200, help="per round")
     parser.add_argument("--skip", default="", help=f"comma-separated, of {','.join(PEERS)}")
+    parser.add_argument("--pairs", type=int, default=1,
+                        help="halfway decider+executor pairs sharing the work (scale-out)")
     parser.add_argument("--cache", type=Path, default=Path(os.environ.get(
         "HALFWAY_BENCH_CACHE", "~/.cache/halfway-bench")).expanduser())
     args = parser.parse_args()
@@ -857,7 +864,7 @@ async def main(args: argparse.Namespace) -> None:
     run_id = uuid.uuid4().hex[:8]
     logdir = args.cache / "runs" / run_id
     await asyncio.to_thread(logdir.mkdir, parents=True)
-    bench = Bench(run_id, args.cache, logdir)
+    bench = Bench(run_id, args.cache, logdir, pairs=max(1, args.pairs))
     print(f"run {run_id}: cache {args.cache}, logs {logdir}; load average "
           f"{os.getloadavg()[0]:.2f} (others on the machine share its cores)", flush=True)
 
