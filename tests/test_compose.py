@@ -63,7 +63,7 @@ def test_images_are_pinned() -> None:
 
 # Compose's interpolation, the forms this file uses: ${VAR}, ${VAR:-default}, ${VAR:?error}.
 _VARIABLE = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:-|:\?)(?P<arg>[^}]*))?\}")
-SECRET_VARIABLES = ("HALFWAY_PAYSIM_WEBHOOK_SECRET", "HALFWAY_PG_PASSWORD")
+SECRET_VARIABLES = ("HALFWAY_PAYSIM_WEBHOOK_SECRET", "HALFWAY_PG_PASSWORD", "HALFWAY_API_TOKENS")
 SECRET_WORDS = ("SECRET", "PASSWORD")
 
 
