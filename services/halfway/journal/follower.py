@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import time
 from collections import Counter, deque
@@ -80,6 +81,12 @@ OnRevoke = Callable[[set[int]], None]
 # `HALFWAY_SNAPSHOTS=off`: never read or write snapshots (every restart replays from zero).
 SNAPSHOTS_ENV = "HALFWAY_SNAPSHOTS"
 RESTORE_BATCH = 2000  # items restored from an image between two yields to the loop
+# Every this many records folded, the process's objects are collected once and then frozen
+# (`gc.freeze`): the cycle collector no longer walks the state already built. A full collection
+# over millions of task states stops the loop for seconds, long enough, on a busy machine, for
+# the group to take the partitions away mid-replay. Frozen objects are still freed by their
+# reference counts (task states and events hold no cycles); only cycles among them would stay.
+GC_FREEZE_EVERY_RECORDS = 100_000
 # How long one fetch waits when the journal is quiet (a `touch` ends the wait at once).
 IDLE_FETCH_MS = 100
 # A task whose act failed is tried again after RETRY_S_MIN, doubling up to RETRY_S_MAX; after
@@ -131,6 +138,29 @@ class HeldWebhook:
     received_s: float = 0.0  # monotonic, when this process read it
 
 
+class _States(dict[str, TaskState]):
+    """Task states by id; a sealed task (in `sealed`, id -> status, and nothing here) reads as
+    the state of its status only, made when asked: a sealed task costs a dict entry, not a
+    TaskState (hundreds of bytes each, millions of them after months)."""
+
+    def __init__(self, sealed: dict[str, TaskStatus]) -> None:
+        super().__init__()
+        self.sealed = sealed
+
+    def get(self, task_id: str, default: TaskState | None = None) -> TaskState | None:  # type: ignore[override]
+        state = super().get(task_id)
+        if state is not None:
+            return state
+        status = self.sealed.get(task_id)
+        return default if status is None else TaskState(task_id=task_id, status=status)
+
+    def __missing__(self, task_id: str) -> TaskState:
+        status = self.sealed.get(task_id)
+        if status is None:
+            raise KeyError(task_id)
+        return TaskState(task_id=task_id, status=status)
+
+
 class _Listener(ConsumerRebalanceListener):
     def __init__(self, follower: JournalFollower) -> None:
         self.follower = follower
@@ -167,7 +197,8 @@ class JournalFollower:
         self._on_assign = on_assign
         self._on_revoke = on_revoke
         self._log = log.get("halfway.follower", group=group)
-        self.states: dict[str, TaskState] = {}
+        self.sealed: dict[str, TaskStatus] = {}  # task id -> how it ended; only that is kept
+        self.states: dict[str, TaskState] = _States(self.sealed)
         self.requests: dict[str, TaskRequested] = {}  # first request per task, tasks topic
         # The journal offset of each effect's first attempt record, by its key (step or undo
         # key): what a webhook's stamp is compared with.
@@ -185,11 +216,11 @@ class JournalFollower:
         self._wake = asyncio.Event()  # set by `touch`: the quiet fetch ends at once
         # Partitions adopted while a fetch was under way: (adoption number, start offset).
         self._adoptions = 0
+        self._since_freeze = 0  # records folded since the last gc.freeze
         self._adopted: dict[TopicPartition, tuple[int, int]] = {}
         self._committed_at_s = 0.0
         self.on_give_up: Callable[[str, BaseException], Awaitable[None]] | None = None
         self._seal_after = None if seal_after_s is None else timedelta(seconds=seal_after_s)
-        self.sealed: set[str] = set()  # task ids whose state is only their end
         # Per journal partition, ended tasks in the order their last event came: (at, id).
         self._ended: dict[int, deque[tuple[datetime, str]]] = {}
         self._ended_last: dict[str, datetime] = {}  # task id -> `at` of its newest entry
@@ -228,6 +259,11 @@ class JournalFollower:
                     deliveries = self._not_before_adoption(deliveries, adoptions)
                 for d in deliveries:
                     self._apply(d.event, TopicPartition(d.topic, d.partition), d.offset)
+                self._since_freeze += len(deliveries)
+                if self._since_freeze >= GC_FREEZE_EVERY_RECORDS:
+                    self._since_freeze = 0
+                    gc.collect()  # walks only what was not frozen yet: the newest records'
+                    gc.freeze()
                 await self._refresh_positions()
                 self._release_webhooks()
                 await self._commit_webhooks()
@@ -436,8 +472,9 @@ class JournalFollower:
             state = self.states.get(task_id)
             if state is None or not settled_for_good(state):
                 continue  # needs attention, or an effect is open: its next event re-enters it
-            self.states[task_id] = TaskState(task_id=task_id, status=state.status)
-            self.sealed.add(task_id)
+            self.states.pop(task_id, None)  # a sealed task reads from `sealed`
+            assert state.status is not None
+            self.sealed[task_id] = state.status
             self._history.pop(task_id, None)
             self.requests.pop(task_id, None)
             self._weighable.pop(task_id, None)
@@ -610,7 +647,7 @@ class JournalFollower:
                         if step.compensation is not None:
                             self.first_attempt.pop(step.compensation.key, None)
                     self._awaiting.pop(task_id, None)
-                    self.sealed.discard(task_id)
+                    self.sealed.pop(task_id, None)
                     self._ended_last.pop(task_id, None)
                     self._dirty.discard(task_id)
                     self._failures.pop(task_id, None)
@@ -682,12 +719,10 @@ class JournalFollower:
         partitions being adopted. Yields to the loop every RESTORE_BATCH items: the consumer's
         heartbeat goes on meanwhile."""
         part = parts[tp]
-        for i, (task_id, status) in enumerate(image.sealed):
-            self.states[task_id] = TaskState(task_id=task_id, status=TaskStatus(status))
-            self.sealed.add(task_id)
-            part.tasks.add(task_id)
-            if i % RESTORE_BATCH == RESTORE_BATCH - 1:
-                await asyncio.sleep(0)
+        statuses = {status.value: status for status in TaskStatus}
+        self.sealed.update((task_id, statuses[status]) for task_id, status in image.sealed)
+        part.tasks.update(task_id for task_id, _ in image.sealed)
+        await asyncio.sleep(0)
         for i, (offset, event) in enumerate(image.events):
             self._fold(event, offset)
             part.tasks.add(event.task_id)
@@ -713,7 +748,7 @@ class JournalFollower:
             return None
         events = sorted((item for task_id in part.tasks
                          for item in self._history.get(task_id, ())), key=lambda item: item[0])
-        sealed = [(t, str(self.states[t].status)) for t in part.tasks if t in self.sealed]
+        sealed = [(t, self.sealed[t].value) for t in part.tasks if t in self.sealed]
         side_tp = None if self._side is None else TopicPartition(self._side, number)
         side = None if side_tp is None else self._partitions.get(side_tp)
         requests, side_next = [], None
