@@ -75,7 +75,12 @@ async def test_each_service_serves_its_metrics(core: Cluster) -> None:
               if labels["group"] == group]
     assert age >= 0  # -1 until its first snapshot, then its age
 
-    executor = await scrape(ports["executor"])
+    # The executor counts a settlement when its follower folds it, which may be a moment
+    # after the task finished: scraped until it has.
+    async with asyncio.timeout(WAIT_S):
+        while total(executor := await scrape(ports["executor"]),  # noqa: ASYNC110 (polled)
+                    "halfway_steps_settled_total", outcome="done") < 1:
+            await asyncio.sleep(0.1)
     assert total(executor, "halfway_tool_call_seconds_count", tool="charge_customer",
                  result="Succeeded") == 1
     assert total(executor, "halfway_steps_settled_total", outcome="done") >= 1

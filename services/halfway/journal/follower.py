@@ -515,7 +515,11 @@ class JournalFollower:
                 part.caught_up = True
                 for other_tp, other in self._partitions.items():  # its tasks, on every topic
                     if other_tp.partition == tp.partition:
-                        self._dirty |= other.tasks
+                        # A sealed task with no news since it was sealed is over: nothing
+                        # to look at (there may be millions of them).
+                        self._dirty |= {t for t in other.tasks
+                                        if t not in self.sealed or dict.__contains__(
+                                            self.states, t) or t in self.requests}
                 self._log.info("caught up", topic=tp.topic, partition=tp.partition,
                                offset=position, tasks=len(part.tasks))
 

@@ -247,10 +247,8 @@ async def load(settings: KafkaSettings, group: str,
         logger.warning("no snapshots read: the group's commits could not be fetched",
                        error=f"{type(exc).__name__}: {exc}"[:300])
         return {}
-    images: dict[int, Image] = {}
-    for tp, (offset, metadata) in committed.items():
-        if not metadata:
-            continue
+
+    async def one(tp: TopicPartition, offset: int, metadata: str) -> Image | None:
         started = time.monotonic()
         try:
             pointer = Pointer.parse(metadata)
@@ -261,13 +259,19 @@ async def load(settings: KafkaSettings, group: str,
         except UnusableSnapshot as exc:
             logger.warning("snapshot not used; the partition is replayed from zero",
                            partition=tp.partition, reason=str(exc))
-            continue
+            return None
         except Exception as exc:
             logger.warning("snapshot not read; the partition is replayed from zero",
                            partition=tp.partition, error=f"{type(exc).__name__}: {exc}"[:300])
-            continue
+            return None
         logger.info("snapshot read", partition=tp.partition, journal_next=image.journal_next,
                     live_events=len(image.events), sealed=len(image.sealed),
                     bytes=pointer.size, seconds=round(time.monotonic() - started, 3))
-        images[tp.partition] = image
-    return images
+        return image
+
+    # All partitions at once: each read is mostly waiting (a connection, a fetch).
+    pointed = [(tp, offset, metadata) for tp, (offset, metadata) in committed.items()
+               if metadata]
+    found = await asyncio.gather(*(one(*item) for item in pointed))
+    return {tp.partition: image for (tp, _, _), image in zip(pointed, found, strict=True)
+            if image is not None}
