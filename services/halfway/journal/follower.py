@@ -709,13 +709,9 @@ class JournalFollower:
         any) is newly owned too: the image covers both."""
         if not self.snapshots:
             return {}
-        numbers = {tp.partition for tp in new}
         journal = [tp for tp in new if tp.topic == self._journal
                    and (self._side is None or TopicPartition(self._side, tp.partition) in new)]
-        if not journal:
-            return {}
-        images = await snaps.load(self._settings, self.group, journal)
-        return {n: image for n, image in images.items() if n in numbers}
+        return await snaps.load(self._settings, self.group, journal) if journal else {}
 
     async def _restore(self, tp: TopicPartition, image: snaps.Image,
                        parts: dict[TopicPartition, _Partition]) -> None:
@@ -723,8 +719,7 @@ class JournalFollower:
         partitions being adopted. Yields to the loop every RESTORE_BATCH items: the consumer's
         heartbeat goes on meanwhile."""
         part = parts[tp]
-        statuses = {status.value: status for status in TaskStatus}
-        self.sealed.update((task_id, statuses[status]) for task_id, status in image.sealed)
+        self.sealed.update((task_id, TaskStatus(status)) for task_id, status in image.sealed)
         part.tasks.update(task_id for task_id, _ in image.sealed)
         await asyncio.sleep(0)
         for i, (offset, event) in enumerate(image.events):
