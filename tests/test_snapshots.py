@@ -120,7 +120,11 @@ def positions(records: list[Record]) -> dict[TopicPartition, int]:
 
 
 def view(f: JournalFollower) -> dict[str, Any]:
-    """Everything a follower's decisions depend on."""
+    """Everything a follower's decisions depend on (dormant tasks woken first: as they would
+    be by any news of them or any question about them)."""
+    for task_id in list(f.dormant):
+        assert f.states.get(task_id) is not None
+    assert not f.dormant
     return {"states": f.states, "sealed": f.sealed, "requests": f.requests,
             "first_attempt": f.first_attempt,
             "ended": {n: list(d) for n, d in f._ended.items() if d},  # an empty queue is none
@@ -152,8 +156,12 @@ async def test_snapshot_and_tail_give_the_state_a_replay_from_zero_gives(
     feed(restored, tail, {JOURNAL_TP: image.journal_next, SIDE_TP: image.side_next})
 
     assert view(restored) == view(replayed)
-    # The image holds live work, not history: no event of a sealed task from before it.
+    # The image holds live work, not history: no event of a sealed task from before it, and
+    # tasks over and settled for good only as bytes.
     live = {task_id for _, event in image.events for task_id in [event.task_id]}
+    quiet = {t for t, *_ in image.quiet}
+    assert not live & quiet
+    assert all(before.states[t].status in ("finished", "rejected") for t in quiet)
     assert all(t not in before.sealed or any(
         o >= 0 and e.task_id == t for o, e in before._history.get(t, ())) for t in live)
 
@@ -165,8 +173,9 @@ async def test_the_image_of_sealed_tasks_is_their_status_only() -> None:
     image = f.image(0)
     assert image is not None
     assert set(f.sealed) == {"old"}
-    assert image.sealed == [("old", "finished")]
-    assert {e.task_id for _, e in image.events} == {"new"}
+    assert image.sealed == {"finished": ["old"]}
+    assert image.events == []
+    assert [t for t, *_ in image.quiet] == ["new"]
 
 
 @pytest.mark.parametrize("damage", [
@@ -223,7 +232,13 @@ async def test_a_snapshot_round_trips_through_the_broker_and_a_tampered_one_is_r
 
     images = await snapshots.load(topics, group, [tp])
     assert images[0].events == image.events
-    assert images[0].sealed == [("old-1", "finished")]
+    assert images[0].sealed == {"finished": ["old-1"]}
+    # A task over and settled for good comes back as bytes, and decodes to its history.
+    (dormant,) = images[0].dormant
+    assert dormant.task_id == "new-1"
+    history, request = dormant.decode()
+    assert history == f._history["new-1"]
+    assert request == f.requests["new-1"]
 
     # A pointer whose digest does not match what the chunks hold: refused, nothing restored.
     forged = snapshots.Pointer(pointer.snapshot_id, pointer.topic_partition,

@@ -84,7 +84,7 @@ class _FollowersCollector(Collector):
                 lag.add_metric([group, topic, str(partition)], behind)
                 caught_up.add_metric([group, topic, str(partition)], 1 if done else 0)
             states = list(follower.states.values())
-            tasks.add_metric([group], len(states))
+            tasks.add_metric([group], len(states) + len(getattr(follower, "dormant", ())))
             counts: Counter[str] = Counter()
             oldest_s = 0.0
             for state in states:

@@ -117,7 +117,10 @@ class Decider:
         self.follower = JournalFollower(settings, group=group, writer=writer,
                                         on_change=self._on_change, side=TASKS,
                                         app_label=app_label,
-                                        seal_after_s=env.seal_after_s(), snapshots=True)
+                                        seal_after_s=env.seal_after_s(), snapshots=True,
+                                        # a task over that still holds a claim has a move left
+                                        wake_on_catch_up=lambda t: bool(
+                                            self.guards.book.held_by(t)))
         self.follower.on_give_up = self._give_up
         self.guards = GuardView(settings, writer, on_record=self._on_guard_record)
         self._asking: dict[tuple[str, int], asyncio.Task[None]] = {}

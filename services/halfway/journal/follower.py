@@ -139,15 +139,24 @@ class HeldWebhook:
 
 
 class _States(dict[str, TaskState]):
-    """Task states by id; a sealed task (in `sealed`, id -> status, and nothing here) reads as
+    """Task states by id. A sealed task (in `sealed`, id -> status, and nothing here) reads as
     the state of its status only, made when asked: a sealed task costs a dict entry, not a
-    TaskState (hundreds of bytes each, millions of them after months)."""
+    TaskState (hundreds of bytes each, millions of them after months). A dormant task (restored
+    from a snapshot as bytes) is decoded and folded the first time it is asked for."""
 
-    def __init__(self, sealed: dict[str, TaskStatus]) -> None:
+    def __init__(self, sealed: dict[str, TaskStatus], dormant: dict[str, snaps.Dormant],
+                 wake: Callable[[str], None]) -> None:
         super().__init__()
         self.sealed = sealed
+        self.dormant = dormant
+        self.wake = wake
+
+    def __contains__(self, task_id: object) -> bool:
+        return super().__contains__(task_id) or task_id in self.dormant
 
     def get(self, task_id: str, default: TaskState | None = None) -> TaskState | None:  # type: ignore[override]
+        if task_id in self.dormant:
+            self.wake(task_id)
         state = super().get(task_id)
         if state is not None:
             return state
@@ -155,6 +164,9 @@ class _States(dict[str, TaskState]):
         return default if status is None else TaskState(task_id=task_id, status=status)
 
     def __missing__(self, task_id: str) -> TaskState:
+        if task_id in self.dormant:
+            self.wake(task_id)
+            return self[task_id]
         status = self.sealed.get(task_id)
         if status is None:
             raise KeyError(task_id)
@@ -180,7 +192,8 @@ class JournalFollower:
                  on_change: OnChange, side: TopicSpec | None = None,
                  on_event: OnEvent | None = None, on_assign: OnAssign | None = None,
                  on_revoke: OnRevoke | None = None, app_label: str | None = None,
-                 seal_after_s: float | None = None, snapshots: bool = False) -> None:
+                 seal_after_s: float | None = None, snapshots: bool = False,
+                 wake_on_catch_up: Callable[[str], bool] | None = None) -> None:
         assert side in (None, TASKS, WEBHOOKS), "side topics must be keyed by task id"
         assert not (snapshots and on_event), "a restored state skips the per-event hook"
         topics: tuple[TopicSpec, ...] = (JOURNAL,) if side is None else (JOURNAL, side)
@@ -198,7 +211,12 @@ class JournalFollower:
         self._on_revoke = on_revoke
         self._log = log.get("halfway.follower", group=group)
         self.sealed: dict[str, TaskStatus] = {}  # task id -> how it ended; only that is kept
-        self.states: dict[str, TaskState] = _States(self.sealed)
+        # Restored from a snapshot over and settled for good, not decoded (yet): see `_wake`.
+        self.dormant: dict[str, snaps.Dormant] = {}
+        self.states: dict[str, TaskState] = _States(self.sealed, self.dormant, self._wake_task)
+        # A dormant task is not looked at when its partition catches up (there is nothing to
+        # do for it) unless this says so (the decider: it still holds a claim).
+        self._wake_on_catch_up = wake_on_catch_up
         self.requests: dict[str, TaskRequested] = {}  # first request per task, tasks topic
         # The journal offset of each effect's first attempt record, by its key (step or undo
         # key): what a webhook's stamp is compared with.
@@ -433,6 +451,8 @@ class JournalFollower:
                 self._log.warning("ignored: not a request, on the tasks topic",
                                   type=event.type, task_id=event.task_id, offset=offset)
                 return
+            if event.task_id in self.dormant:
+                self._wake_task(event.task_id)  # its first request comes back first
             self.requests.setdefault(event.task_id, event)
         elif event.task_id in self.sealed and not isinstance(event, TaskRequested):
             return  # late news of a sealed task: not folded (see the module docstring)
@@ -459,6 +479,15 @@ class JournalFollower:
             self._history.setdefault(event.task_id, []).append((offset, event))
         return before, after
 
+    def _wake_task(self, task_id: str) -> None:
+        """Decode and fold a dormant task's events (news of it came, or a service asked)."""
+        dormant = self.dormant.pop(task_id)
+        history, request = dormant.decode()
+        if request is not None:
+            self.requests.setdefault(task_id, request)
+        for offset, event in history:
+            self._fold(event, offset)
+
     def _seal_due(self, number: int, now: datetime) -> None:
         """Seal the tasks of journal partition `number` that ended `seal_after` before `now`
         (the `at` of the record just folded) with every effect settled."""
@@ -469,6 +498,14 @@ class JournalFollower:
             if self._ended_last.get(task_id) != at:
                 continue  # it had news since: a later entry decides
             del self._ended_last[task_id]
+            dormant = self.dormant.pop(task_id, None)
+            if dormant is not None:  # no news since the snapshot: settled for good still
+                self.sealed[task_id] = TaskStatus(dormant.status)
+                for key, _ in dormant.first_attempts:
+                    self.first_attempt.pop(key, None)
+                self._weighable.pop(task_id, None)
+                self._failures.pop(task_id, None)
+                continue
             state = self.states.get(task_id)
             if state is None or not settled_for_good(state):
                 continue  # needs attention, or an effect is open: its next event re-enters it
@@ -515,13 +552,19 @@ class JournalFollower:
                 part.caught_up = True
                 for other_tp, other in self._partitions.items():  # its tasks, on every topic
                     if other_tp.partition == tp.partition:
-                        # A sealed task with no news since it was sealed is over: nothing
-                        # to look at (there may be millions of them).
-                        self._dirty |= {t for t in other.tasks
-                                        if t not in self.sealed or dict.__contains__(
-                                            self.states, t) or t in self.requests}
+                        # A sealed or dormant task with no news is over: nothing to look
+                        # at (there may be millions of them).
+                        self._dirty |= {t for t in other.tasks if self._open(t)}
                 self._log.info("caught up", topic=tp.topic, partition=tp.partition,
                                offset=position, tasks=len(part.tasks))
+
+    def _open(self, task_id: str) -> bool:
+        """Whether a task may have something to do when its partition catches up."""
+        if dict.__contains__(self.states, task_id) or task_id in self.requests:
+            return True
+        if task_id in self.dormant:
+            return self._wake_on_catch_up is not None and self._wake_on_catch_up(task_id)
+        return task_id not in self.sealed
 
     def _release_webhooks(self) -> None:
         """Hand over every held webhook whose journal offset the journal has been read past."""
@@ -643,6 +686,9 @@ class JournalFollower:
             for task_id in part.tasks:
                 if not any(task_id in p.tasks for p in self._partitions.values()):
                     state = self.states.pop(task_id, None)
+                    dormant = self.dormant.pop(task_id, None)
+                    for key, _ in (dormant.first_attempts if dormant is not None else ()):
+                        self.first_attempt.pop(key, None)
                     self.requests.pop(task_id, None)
                     self._history.pop(task_id, None)
                     self._weighable.pop(task_id, None)
@@ -719,8 +765,14 @@ class JournalFollower:
         partitions being adopted. Yields to the loop every RESTORE_BATCH items: the consumer's
         heartbeat goes on meanwhile."""
         part = parts[tp]
-        self.sealed.update((task_id, TaskStatus(status)) for task_id, status in image.sealed)
-        part.tasks.update(task_id for task_id, _ in image.sealed)
+        for status, ids in image.sealed.items():
+            self.sealed.update(dict.fromkeys(ids, TaskStatus(status)))
+            part.tasks.update(ids)
+        await asyncio.sleep(0)
+        for dormant in image.dormant:
+            self.dormant[dormant.task_id] = dormant
+            self.first_attempt.update(dormant.first_attempts)
+            part.tasks.add(dormant.task_id)
         await asyncio.sleep(0)
         for i, (offset, event) in enumerate(image.events):
             self._fold(event, offset)
@@ -745,14 +797,22 @@ class JournalFollower:
         part = self._partitions.get(tp)
         if part is None:
             return None
-        events = sorted((item for task_id in part.tasks
+        # Tasks over and settled for good go in as dormant (a restore does not fold them).
+        quiet = {t for t in part.tasks if t in self._history and t not in self.sealed
+                 and settled_for_good(dict.__getitem__(self.states, t))}
+        events = sorted((item for task_id in part.tasks if task_id not in quiet
                          for item in self._history.get(task_id, ())), key=lambda item: item[0])
-        sealed = [(t, self.sealed[t].value) for t in part.tasks if t in self.sealed]
+        sealed: dict[str, list[str]] = {}
+        for t in part.tasks:
+            if (status := self.sealed.get(t)) is not None:
+                sealed.setdefault(status.value, []).append(t)
+        dormant = [self.dormant[t] for t in part.tasks if t in self.dormant]
         side_tp = None if self._side is None else TopicPartition(self._side, number)
         side = None if side_tp is None else self._partitions.get(side_tp)
         requests, side_next = [], None
         if side is not None:
-            requests = [self.requests[t] for t in side.tasks if t in self.requests]
+            requests = [self.requests[t] for t in side.tasks
+                        if t in self.requests and t not in quiet]
             side_next = side.applied_to + 1
             if self._side == self._webhooks:
                 # Webhooks not weighed yet are read again after a restore; the journal has the
@@ -761,9 +821,13 @@ class JournalFollower:
                 pending += [h.offset for items in self._weighable.values() for h in items
                             if h.partition == number]
                 side_next = min([side_next, side.noticed_to, *pending])
+        status = {t: dict.__getitem__(self.states, t).status for t in quiet}
         return snaps.Image(partition=number, journal_next=part.applied_to + 1,
-                               side_next=side_next, events=events, requests=requests,
-                               sealed=sealed, ended=list(self._ended.get(number, ())))
+                           side_next=side_next, events=events, requests=requests,
+                           sealed=sealed, ended=list(self._ended.get(number, ())),
+                           dormant=dormant,
+                           quiet=[(t, str(status[t]), self._history[t], self.requests.get(t))
+                                  for t in quiet])
 
     def _maybe_snapshot(self) -> None:
         """Start writing one due snapshot (one at a time, in the background)."""
@@ -809,7 +873,8 @@ class JournalFollower:
         self.snapshot_written_s = time.monotonic()
         self._log.info("snapshot written", partition=tp.partition,
                        journal_next=image.journal_next, live_events=len(image.events),
-                       sealed=len(image.sealed), bytes=len(blob),
+                       dormant=len(image.dormant) + len(image.quiet),
+                       sealed=sum(map(len, image.sealed.values())), bytes=len(blob),
                        seconds=round(self.snapshot_written_s - started, 3))
 
 

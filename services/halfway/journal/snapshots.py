@@ -3,10 +3,12 @@
 A follower (decider, executor, reconciler) owns journal partitions; without a snapshot, taking
 one over means folding it from offset zero, which grows with all history. A snapshot is the
 follower's *image* of one partition at a journal offset X: the journal events of every task
-that is not sealed (in log order, with their offsets), the ids of sealed tasks with how they
-ended, the queue of ended tasks waiting to be sealed, the requests read from the side topic and
-where the side topic was read to. Restoring refolds the live events, which is work in
-proportion to live tasks, and the journal is read from X on.
+still open (in log order, with their offsets); the events of every task *dormant* (over and
+settled for good, waiting out the seal window) as bytes; the ids of sealed tasks by how they
+ended; the queue of ended tasks waiting to be sealed; the requests read from the side topic and
+where the side topic was read to. Restoring refolds the open tasks' events, which is work in
+proportion to live work; a dormant task is decoded only if news of it comes before it is
+sealed (most never have any); the journal is read from X on.
 
 Where it lives, Kafka-native and without a second source of truth:
 - the image, compressed, in chunks on the `snapshots` topic (time retention: a snapshot is
@@ -40,13 +42,14 @@ from aiokafka.admin import AIOKafkaAdminClient
 from pydantic import TypeAdapter
 
 from halfway import log
-from halfway.contract import Event, TaskRequested
+from halfway.contract import CompensationAttempted, Event, StepAttempted, TaskRequested
 from halfway.contract.topics import SNAPSHOTS
+from halfway.core.fold import TaskStatus
 from halfway.journal.limits import fetch_limits
 from halfway.journal.writer import JournalWriter
 from halfway.settings import KafkaSettings
 
-FORMAT = 1
+FORMAT = 2
 MAGIC = b"halfway-snapshot\n"
 # When a follower writes a partition's snapshot: after this many records applied since the
 # last one, or this long after it with anything applied, or this long after it regardless (so
@@ -72,7 +75,44 @@ COMPRESS_LEVEL = 1  # speed over size: the image is read back at every restart
 
 _EVENTS = TypeAdapter(list[Event])
 _REQUESTS = TypeAdapter(list[TaskRequested])
+_REQUEST = TypeAdapter(TaskRequested)
 _LEN = struct.Struct(">Q")
+_ENDED = {TaskStatus.FINISHED.value, TaskStatus.REJECTED.value}  # a sealed or dormant status
+
+
+@dataclass(frozen=True, slots=True)
+class Dormant:
+    """A task over and settled for good, not yet sealed, as the image keeps it: its journal
+    events (and its request from the side topic) as JSON, decoded only if it has news."""
+
+    task_id: str
+    status: str  # how it ended
+    offsets: tuple[int, ...]  # of its journal events, in order
+    first_attempts: tuple[tuple[str, int], ...]  # (effect key, offset of its first attempt)
+    events: bytes  # a JSON list of its journal events
+    request: bytes | None = None  # its request's JSON, if the side topic's is kept
+
+    def decode(self) -> tuple[list[tuple[int, Event]], TaskRequested | None]:
+        events = _EVENTS.validate_json(self.events)
+        if len(events) != len(self.offsets):
+            raise UnusableSnapshot(f"task {self.task_id}: event offsets and events differ")
+        request = None if self.request is None else _REQUEST.validate_json(self.request)
+        return list(zip(self.offsets, events, strict=True)), request
+
+    @classmethod
+    def of(cls, task_id: str, status: str, history: list[tuple[int, Event]],
+           request: TaskRequested | None) -> Dormant:
+        first: dict[str, int] = {}
+        for offset, event in history:
+            if isinstance(event, StepAttempted | CompensationAttempted):
+                first.setdefault(event.key, offset)
+        return cls(task_id, status, tuple(o for o, _ in history), tuple(first.items()),
+                   _EVENTS.dump_json([e for _, e in history]),
+                   None if request is None else _REQUEST.dump_json(request))
+
+
+# A task made dormant since the last image: (task id, status, its history, its request).
+Quiet = tuple[str, str, list[tuple[int, Event]], TaskRequested | None]
 
 
 @dataclass
@@ -84,8 +124,10 @@ class Image:
     side_next: int | None  # where to read the side topic's partition of the same number from
     events: list[tuple[int, Event]] = field(default_factory=list)  # (offset, event), log order
     requests: list[TaskRequested] = field(default_factory=list)
-    sealed: list[tuple[str, str]] = field(default_factory=list)  # (task id, its status)
+    sealed: dict[str, list[str]] = field(default_factory=dict)  # status -> task ids
     ended: list[tuple[datetime, str]] = field(default_factory=list)  # waiting to be sealed
+    dormant: list[Dormant] = field(default_factory=list)  # as read, or kept since
+    quiet: list[Quiet] = field(default_factory=list)  # dormant since, encoded with the image
 
 
 class UnusableSnapshot(Exception):
@@ -93,24 +135,30 @@ class UnusableSnapshot(Exception):
 
 
 def encode(image: Image) -> bytes:
+    dormant = [*image.dormant, *(Dormant.of(*q) for q in image.quiet)]
     header = {"v": FORMAT, "partition": image.partition, "journal_next": image.journal_next,
               "side_next": image.side_next, "offsets": [o for o, _ in image.events],
               "sealed": image.sealed,
-              "ended": [[at.isoformat(), task_id] for at, task_id in image.ended]}
+              "ended": [[at.isoformat(), task_id] for at, task_id in image.ended],
+              "dormant": [[d.task_id, d.status, d.offsets, d.first_attempts, len(d.events),
+                           -1 if d.request is None else len(d.request)] for d in dormant]}
     parts = [json.dumps(header, separators=(",", ":")).encode(),
              _EVENTS.dump_json([e for _, e in image.events]),
-             _REQUESTS.dump_json(image.requests)]
+             _REQUESTS.dump_json(image.requests),
+             b"".join(d.events + (d.request or b"") for d in dormant)]
     body = b"".join(_LEN.pack(len(p)) + p for p in parts)
     return MAGIC + zlib.compress(body, COMPRESS_LEVEL)
 
 
 def decode(blob: bytes) -> Image:
+    """The image's open tasks and requests are validated; dormant tasks' bytes are only cut
+    out (their events are validated if and when they are decoded)."""
     if not blob.startswith(MAGIC):
         raise UnusableSnapshot("not a snapshot (no magic)")
     try:
         body = zlib.decompress(blob[len(MAGIC):])
         parts, at = [], 0
-        for _ in range(3):
+        for _ in range(4):
             (n,) = _LEN.unpack_from(body, at)
             parts.append(body[at + _LEN.size:at + _LEN.size + n])
             at += _LEN.size + n
@@ -121,13 +169,31 @@ def decode(blob: bytes) -> Image:
         offsets = header["offsets"]
         if len(offsets) != len(events):
             raise UnusableSnapshot("event offsets and events differ in number")
+        dormant, blobs, at = [], parts[3], 0
+        for task_id, status, task_offsets, firsts, n_events, n_request in header["dormant"]:
+            end = at + n_events + max(0, n_request)
+            if end > len(blobs):
+                raise UnusableSnapshot("dormant tasks' bytes end early")
+            dormant.append(Dormant(
+                str(task_id), str(status), tuple(map(int, task_offsets)),
+                tuple((str(k), int(o)) for k, o in firsts), blobs[at:at + n_events],
+                None if n_request < 0 else blobs[at + n_events:end]))
+            at = end
+        sealed = header["sealed"]
+        if not isinstance(sealed, dict) or not all(
+                isinstance(ids, list) for ids in sealed.values()):
+            raise UnusableSnapshot("sealed tasks are not listed by status")
+        statuses = {*sealed, *(d.status for d in dormant)}
+        if not statuses <= _ENDED:
+            raise UnusableSnapshot(f"not how a task ends: {sorted(statuses - _ENDED)[:3]}")
         return Image(
             partition=int(header["partition"]), journal_next=int(header["journal_next"]),
             side_next=None if header["side_next"] is None else int(header["side_next"]),
             events=list(zip(offsets, events, strict=True)),
             requests=_REQUESTS.validate_json(parts[2]),
-            sealed=[(str(t), str(s)) for t, s in header["sealed"]],
-            ended=[(datetime.fromisoformat(at), str(t)) for at, t in header["ended"]])
+            sealed=sealed,
+            ended=[(datetime.fromisoformat(at), str(t)) for at, t in header["ended"]],
+            dormant=dormant)
     except UnusableSnapshot:
         raise
     except Exception as exc:  # zlib, struct, JSON or validation: a corrupt image
@@ -265,7 +331,8 @@ async def load(settings: KafkaSettings, group: str,
                            partition=tp.partition, error=f"{type(exc).__name__}: {exc}"[:300])
             return None
         logger.info("snapshot read", partition=tp.partition, journal_next=image.journal_next,
-                    live_events=len(image.events), sealed=len(image.sealed),
+                    live_events=len(image.events), dormant=len(image.dormant),
+                    sealed=sum(map(len, image.sealed.values())),
                     bytes=pointer.size, seconds=round(time.monotonic() - started, 3))
         return image
 
