@@ -68,7 +68,7 @@ from halfway.core.fold import StepStatus, TaskState, TaskStatus, apply
 from halfway.journal import snapshots as snaps
 from halfway.journal.reader import EventConsumer
 from halfway.journal.records import Delivery
-from halfway.journal.writer import JournalWriter
+from halfway.journal.writer import JournalWriter, local_appends
 from halfway.settings import KafkaSettings
 
 OnChange = Callable[[set[str]], Awaitable[None]]
@@ -258,8 +258,10 @@ class JournalFollower:
 
     async def start(self) -> None:
         await self._consumer.start()
+        local_appends.add(self._appended)
 
     async def stop(self) -> None:
+        local_appends.remove(self._appended)
         await self._consumer.stop()
 
     async def run(self) -> None:
@@ -272,7 +274,8 @@ class JournalFollower:
                 # and the replay starts over).
                 await asyncio.sleep(0)
                 adoptions = self._adoptions
-                deliveries = await self._consumer.batch(IDLE_FETCH_MS, wake=self._wake)
+                deliveries = await self._consumer.batch(IDLE_FETCH_MS, wake=self._wake,
+                                                        folded=self._folded)
                 if self._adoptions != adoptions:
                     deliveries = self._not_before_adoption(deliveries, adoptions)
                 for d in deliveries:
@@ -419,10 +422,31 @@ class JournalFollower:
 
         self._retries[task_id] = asyncio.get_running_loop().call_later(delay_s, again)
 
+    def _appended(self, topic: str, event: Event, partition: int, offset: int) -> None:
+        """This process appended `event` at `offset` of the journal: fold it now if every
+        record before it is folded (the fold stays in log order); its fetched copy is then
+        skipped. Otherwise the fetch brings it, as it brings every other writer's."""
+        if topic != self._journal:
+            return
+        tp = TopicPartition(topic, partition)
+        part = self._partitions.get(tp)
+        if part is None or not part.caught_up or part.applied_to != offset - 1:
+            return
+        self._apply(event, tp, offset)
+        self._wake.set()
+
+    def _folded(self, topic: str, partition: int, offset: int) -> bool:
+        """Whether a fetched record is folded already (this process's own append)."""
+        part = self._partitions.get(TopicPartition(topic, partition))
+        return part is not None and offset <= part.applied_to
+
     def _apply(self, event: Event | WebhookReceived, tp: TopicPartition, offset: int) -> None:
         part = self._partitions.get(tp)
         if part is None:
             return  # a record fetched just before its partition was revoked
+        if offset <= part.applied_to:
+            return  # folded when this process appended it
+        part.applied_to = offset
         self._applied_counters[tp.topic].inc()
         if isinstance(event, WebhookReceived):
             if event.key is None or event.task_id is None:
@@ -547,7 +571,8 @@ class JournalFollower:
                 position = await kafka.position(tp)
             except Exception:  # revoked meanwhile
                 continue
-            part.applied_to = position - 1
+            # Past the records skipped as invalid too; never back over a local fold.
+            part.applied_to = max(part.applied_to, position - 1)
             if not part.caught_up and position >= part.end_at_assign:
                 part.caught_up = True
                 for other_tp, other in self._partitions.items():  # its tasks, on every topic

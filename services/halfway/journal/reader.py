@@ -112,14 +112,19 @@ class EventConsumer:
                 yield delivery
 
     async def batch(self, timeout_ms: int = FETCH_TIMEOUT_MS,
-                    wake: asyncio.Event | None = None) -> list[Delivery]:
+                    wake: asyncio.Event | None = None,
+                    folded: Callable[[str, int, int], bool] | None = None) -> list[Delivery]:
         """The valid events of one fetch (possibly none), invalid ones dead-lettered. With
         `wake`, a quiet fetch ends early (with nothing) once it is set, and one that starts
-        set does not wait at all: the caller has work besides the records (a timer fired)."""
+        set does not wait at all: the caller has work besides the records (a timer fired).
+        Records `folded` says the caller has already (topic, partition, offset) are skipped
+        without decoding."""
         batches = await self._fetch(timeout_ms, wake)
         out = []
         for records in batches.values():
             for record in records:
+                if folded is not None and folded(record.topic, record.partition, record.offset):
+                    continue
                 delivery = await self._accept(record)
                 if delivery is not None:
                     out.append(delivery)
