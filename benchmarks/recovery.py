@@ -1,6 +1,7 @@
 """Restart → first action, and memory, against the journal's length.
 
-    .venv/bin/python benchmarks/recovery.py [--events 10000,100000,1000000]
+    .venv/bin/python benchmarks/recovery.py [--events 10000,100000,1000000] [--keep]
+    .venv/bin/python benchmarks/recovery.py --events 10000000 --prefix recovery-1234abcd.
 
 For each size: a fresh topic prefix gets a synthetic history of finished tasks (valid events:
 requested, started, a step intended, attempted and settled done, finished: 6 per task) spread
@@ -77,6 +78,20 @@ def history(task_id: str, at: datetime) -> list[Event]:
     ]
 
 
+def templates() -> list[tuple[str, str, bytes]]:
+    """One finished task's records as text with placeholders (task id, time, event id): the
+    fill formats millions of them without building and validating each event again."""
+    base = datetime(2000, 1, 1, tzinfo=UTC)
+    out = []
+    for event in history(_TASK, base):
+        text = record_value(event).decode().replace(event.event_id, _EVENT_ID)
+        out.append((text.replace(_BASE, _AT), event.type, record_key(event)))
+    return out
+
+
+_TASK, _EVENT_ID, _BASE, _AT = "TASKIDXX", "EVENTIDXX", "2000-01-01T00:00:00", "ATXX"
+
+
 async def fill(settings: KafkaSettings, events: int) -> None:
     """Write `events` journal events (finished tasks) as fast as the producer batches them."""
     producer = AIOKafkaProducer(**settings.client(), acks=1,
@@ -87,15 +102,22 @@ async def fill(settings: KafkaSettings, events: int) -> None:
     tasks = events // EVENTS_PER_TASK
     # The history spans HISTORY_DAYS, oldest first, as a deployment's journal would: the
     # services keep only what ended within the seal window (a day by default) whole.
-    first = datetime.now(UTC) - timedelta(days=HISTORY_DAYS)
+    first = datetime.now(UTC).replace(microsecond=0) - timedelta(days=HISTORY_DAYS)
     step = timedelta(days=HISTORY_DAYS) / max(1, tasks)
+    shapes = templates()
     try:
         pending = []
         for i in range(tasks):
-            for event in history(f"old-{i}", first + i * step):
+            task_id = f"old-{i}"
+            at = (first + i * step).replace(microsecond=0).isoformat()[:19]
+            for text, kind, _ in shapes:
+                event_id = os.urandom(16).hex()
+                value = (text.replace(_TASK, task_id).replace(_AT, at)
+                         .replace(_EVENT_ID, event_id).encode())
                 pending.append(await producer.send(
-                    journal, value=record_value(event), key=record_key(event),
-                    headers=record_headers(event)))
+                    journal, value=value, key=task_id.encode(),
+                    headers=[("type", kind.encode()), ("schema_version", b"1"),
+                             ("event_id", event_id.encode())]))
             if len(pending) >= 20_000:
                 await asyncio.gather(*pending)
                 pending.clear()
@@ -194,35 +216,48 @@ async def restart(settings: KafkaSettings, label: str, *,
     return seconds, rss, log_path
 
 
-async def one(base: KafkaSettings, events: int) -> dict[str, float]:
-    settings = base.with_prefix(f"recovery-{uuid.uuid4().hex[:8]}.")
+async def one(base: KafkaSettings, events: int, *, prefix: str | None = None,
+              keep: bool = False) -> dict[str, float]:
+    """Fill a fresh prefix (or reuse `prefix`, filled and snapshotted by an earlier `--keep`
+    run: the warm restart only), time the restarts, and delete the topics unless `keep`."""
+    settings = base.with_prefix(prefix or f"recovery-{uuid.uuid4().hex[:8]}.")
+    r: dict[str, float] = {"cold_s": float("nan"), "cold_rss": float("nan"),
+                           "fill_s": float("nan")}
     await ensure_topics(settings, ALL_TOPICS)
     try:
-        started = time.monotonic()
-        await fill(settings, events)
-        fill_s = time.monotonic() - started
-        # Cold: no snapshot, the journal from zero; it snapshots every partition once caught up.
-        cold_s, cold_rss, _ = await restart(settings, f"{events}-cold",
-                                            until_snapshots=JOURNAL.partitions)
+        if prefix is None:
+            started = time.monotonic()
+            await fill(settings, events)
+            r["fill_s"] = time.monotonic() - started
+            # Cold: no snapshot, the journal from zero; it snapshots every partition.
+            r["cold_s"], r["cold_rss"], _ = await restart(settings, f"{events}-cold",
+                                                          until_snapshots=JOURNAL.partitions)
         # Warm: the snapshots and the journal after them (a probe request or two).
-        warm_s, warm_rss, log_path = await restart(settings, f"{events}-warm")
+        r["warm_s"], r["warm_rss"], log_path = await restart(settings, f"{events}-warm")
         restored = logged(log_path, "snapshot read")
-        return {"cold_s": cold_s, "cold_rss": cold_rss, "warm_s": warm_s, "warm_rss": warm_rss,
-                "restored": len(restored), "fill_s": fill_s,
-                "read_s": max((e.get("seconds", 0.0) for e in restored), default=0.0)}
+        r["restored"] = len(restored)
+        r["read_s"] = max((e.get("seconds", 0.0) for e in restored), default=0.0)
+        return r
     finally:
-        await delete_topics(settings, ALL_TOPICS)
+        if keep:
+            print(f"kept: --prefix {settings.topic_prefix}", flush=True)
+        else:
+            await delete_topics(settings, ALL_TOPICS)
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", default="10000,100000,1000000")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the topics (and print their prefix) for a later --prefix")
+    parser.add_argument("--prefix", help="reuse a kept history: only the restart from "
+                                         "snapshots is timed (--events names its size)")
     args = parser.parse_args()
     base = KafkaSettings.from_env()
     print(f"{'journal events':>15} {'cold: first action':>19} {'RSS':>8}"
           f" {'from snapshot: first action':>28} {'RSS':>8} {'restored':>9} {'(fill)':>8}")
     for events in (int(n) for n in args.events.split(",")):
-        r = await one(base, events)
+        r = await one(base, events, prefix=args.prefix, keep=args.keep)
         print(f"{events:>15,} {r['cold_s']:>17.2f} s {r['cold_rss']:>4.0f} MiB"
               f" {r['warm_s']:>26.2f} s {r['warm_rss']:>4.0f} MiB"
               f" {r['restored']:>5.0f}/{JOURNAL.partitions} {r['fill_s']:>7.1f}s", flush=True)
