@@ -1,6 +1,7 @@
 """The same 3-step task through halfway, Restate, DBOS and a direct loop, side by side.
 
     .venv/bin/python benchmarks/side_by_side.py [--rounds 5] [--tasks 50] [--skip restate,dbos]
+        [--pairs 2]
 
 The task: three POSTs to one stub provider (`side_by_side/stub.py`, a process of its own), each
 with an `Idempotency-Key`, one after the other. Four ways to run it:
@@ -13,6 +14,9 @@ with an `Idempotency-Key`, one after the other. Four ways to run it:
   `task.finished` from the journal. The reconciler is there because a deployment has one: a
   call that outlives the tool's 5 s timeout (under load) is settled `unknown`, and only its
   lookup settles it; the report counts those.
+- halfway-w: the same, with `halfway run worker` (a decider and an executor in one process)
+  instead of the two processes: a step's decision reaches its attempt, and its settlement the
+  next decision, without a consumer's fetch round trip.
 - restate: `restate-server` (npm `@restatedev/restate-server`) and the service
   `side_by_side/restate_service.py` (`restate-sdk`), a handler doing three `ctx.run(...)` steps;
   the caller POSTs to the ingress and gets the handler's result back.
@@ -106,8 +110,8 @@ START_TIMEOUT_S = 60.0
 WARMUP_TASKS = 20
 FLOOR_WARMUP = 50
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-SYSTEMS = ("direct", "halfway", "restate", "dbos")
-PEERS = ("halfway", "restate", "dbos")
+SYSTEMS = ("direct", "halfway", "halfway-w", "restate", "dbos")
+PEERS = ("halfway", "halfway-w", "restate", "dbos")
 
 
 class NotRun(Exception):
@@ -420,9 +424,14 @@ class FinishWatcher:
 
 
 class Halfway(System):
-    def __init__(self) -> None:
-        super().__init__("halfway")
+    """halfway with deciders and executors as separate processes (`--pairs` of each)."""
+
+    def __init__(self, name: str = "halfway") -> None:
+        super().__init__(name)
         self.procs: list[Proc] = []
+
+    def services(self, pairs: int) -> list[str]:
+        return [*(["decider", "executor"] * pairs), "reconciler"]
 
     async def setup(self, bench: Bench) -> None:
         base = KafkaSettings.from_env()
@@ -432,7 +441,7 @@ class Halfway(System):
                                   "HALFWAY_LOG_LEVEL": "WARNING", "HALFWAY_MODEL": "scripted",
                                   "STUB_URL": bench.stub_url, "PYTHONUNBUFFERED": "1"}
         env.pop("HALFWAY_MODEL_CALL_LOG", None)  # the model must not fsync a file per answer
-        services = [*(["decider", "executor"] * bench.pairs), "reconciler"]
+        services = self.services(bench.pairs)
         seen: dict[str, int] = {}
         for service in services:
             seen[service] = seen.get(service, 0) + 1
@@ -486,6 +495,17 @@ class Halfway(System):
             await proc.stop()
         if hasattr(self, "settings"):
             await delete_topics(self.settings, ALL_TOPICS)
+
+
+class HalfwayWorker(Halfway):
+    """halfway with `halfway run worker` processes (a decider and an executor in one process,
+    `--pairs` of them): a step's decision and attempt skip the fetch round trips."""
+
+    def __init__(self) -> None:
+        super().__init__("halfway-w")
+
+    def services(self, pairs: int) -> list[str]:
+        return [*(["worker"] * pairs), "reconciler"]
 
 
 class Restate(System):
@@ -809,13 +829,13 @@ def report(systems: list[System], floor: Floor, args: argparse.Namespace, second
                 f"{overhead[name] / hop50:6.1f}x a hop")
         others = [f"{overhead[name] / overhead[o]:.2f}x {o}" for o in PEERS
                   if o != name and o in overhead and overhead[o] > 0]
-        if name == "halfway" and others:
+        if name.startswith("halfway") and others:
             line += "; halfway = " + ", ".join(others)
         print(line)
-    halfway = by_name.get("halfway")
-    if isinstance(halfway, Halfway) and hasattr(halfway, "watcher"):
-        print(f"halfway: {halfway.watcher.unknowns} step(s) settled unknown (a call past the "
-              f"tool's 5 s timeout), then settled by the reconciler's lookup")
+    for halfway in systems:
+        if isinstance(halfway, Halfway) and hasattr(halfway, "watcher"):
+            print(f"{halfway.name}: {halfway.watcher.unknowns} step(s) settled unknown (a call "
+                  f"past the tool's 5 s timeout), then settled by the reconciler's lookup")
     print("CPU per task, ms (all phases of all rounds):")
     for s in systems:
         if not s.tasks_run:
@@ -870,7 +890,7 @@ async def main(args: argparse.Namespace) -> None:
 
     stub = await spawn("stub", [sys.executable, str(HERE / "stub.py"), "--port", "0"], logdir)
     systems: list[System] = [Direct()]
-    for cls in (Halfway, Restate, Dbos):
+    for cls in (Halfway, HalfwayWorker, Restate, Dbos):
         systems.append(cls())
     floor = Floor(run_id)
     http = new_client(16)

@@ -114,6 +114,7 @@ class Runnable(StrEnum):
     PROJECTOR = "projector"
     GATEWAY = "gateway"
     API = "api"
+    WORKER = "worker"
 
 
 AppOption = Annotated[str | None, typer.Option(
@@ -176,12 +177,15 @@ def run(service: Annotated[Runnable, typer.Argument(help="which service")],
             help="serve Prometheus metrics at /metrics on this port (0: a free one)")] = None,
         ) -> None:
     """Run a service until SIGTERM: decider, executor, reconciler, outcomes (the user-facing
-    topic), projector (the PostgreSQL read model), gateway (webhooks in), api (HTTP + web page)."""
+    topic), projector (the PostgreSQL read model), gateway (webhooks in), api (HTTP + web page),
+    worker (a decider and an executor in one process: a step skips two fetch round trips)."""
     log.configure()
     from halfway.settings import KafkaSecurityError, kafka_security
 
+    kinds = ("decider", "executor") if service is Runnable.WORKER else (service.value,)
     try:  # each service connects as its own kind (docs/security.md): a bad setting stops it here
-        kafka_security(service.value)
+        for kind in kinds:
+            kafka_security(kind)
     except KafkaSecurityError as exc:
         typer.echo(f"halfway: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -216,7 +220,8 @@ def _run_service(service: Runnable, app_ref: str | None, model: str | None) -> N
             from halfway.serve import serve
 
             loaded = _load_app(app_ref)  # a wrong --app or --model fails here, with why
-            chosen = _load_model(model, loaded) if service is Runnable.DECIDER else None
+            chosen = (_load_model(model, loaded)
+                      if service in (Runnable.DECIDER, Runnable.WORKER) else None)
             asyncio.run(serve(Service(service.value), app=loaded, model=chosen))
 
 

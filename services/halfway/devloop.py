@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from halfway import log, metrics
 from halfway.journal.admin import ensure_topics_once_up
-from halfway.serve import Service, run_service, stop_on_signals
+from halfway.serve import PARTS, Service, run_service, stop_on_signals
 from halfway.settings import KafkaSettings
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ async def run_dev(app: App, model: Model) -> None:
                      "--follow")
     projector = Projector(settings, env.pg_dsn(), schema=env.pg_schema())
     services = [run_service(s, settings, registry, model if s is Service.DECIDER else None,
-                            app=app) for s in Service]
+                            app=app) for s in Service if s not in PARTS]
     try:
         async with asyncio.TaskGroup() as group:
             for service in services:

@@ -1,8 +1,14 @@
 """Running a service: wiring settings, the journal writer, the app's tools and the model.
 
-`halfway run decider|executor|reconciler|outcomes [--app MODULE:ATTR] [--model NAME]` calls
-`serve(name, app=..., model=...)`; `halfway dev` and the demos run the same services in one
-process with `run_service(...)`.
+`halfway run decider|executor|reconciler|outcomes|worker [--app MODULE:ATTR] [--model NAME]`
+calls `serve(name, app=..., model=...)`; `halfway dev` and the demos run the same services in
+one process with `run_service(...)`.
+
+A worker is a decider and an executor in one process, each with its own Kafka principal and
+consumer group, exactly as when run apart (workers and separate deciders and executors mix in
+one deployment). What it gains: each folds the other's appends as soon as they are
+acknowledged (`halfway.journal.writer.local_appends`), so a step goes from decided to
+attempted, and from settled to the next decision, without a consumer's fetch round trip.
 """
 
 from __future__ import annotations
@@ -28,7 +34,11 @@ class Service(StrEnum):
     EXECUTOR = "executor"
     RECONCILER = "reconciler"
     OUTCOMES = "outcomes"
+    WORKER = "worker"
 
+
+# The services a process of each kind runs.
+PARTS = {Service.WORKER: (Service.DECIDER, Service.EXECUTOR)}
 
 async def run_service(name: Service, settings: KafkaSettings, registry: Registry,
                       model: Model | None = None, *, app: App | None = None) -> None:
@@ -54,6 +64,8 @@ async def run_service(name: Service, settings: KafkaSettings, registry: Registry
                                  lookups=env.reconciler_lookups(), app_label=label).run()
             case Service.OUTCOMES:
                 await OutcomesPublisher(settings, writer).run()
+            case Service.WORKER:
+                raise ValueError("a worker runs its parts: see PARTS")
 
 
 def stop_on_signals() -> None:
@@ -69,7 +81,8 @@ async def serve(name: Service, *, app: App, model: Model | None = None) -> None:
     """The process entry point (the app and the model already loaded by the command line,
     which reports a wrong one): stop cleanly on SIGTERM or SIGINT."""
     log.configure()
-    settings = KafkaSettings.from_env(name.value)
+    parts = PARTS.get(name, (name,))
+    settings = KafkaSettings.from_env(parts[0].value)
     await ensure_topics_once_up(settings)
     await app.prepare()  # its MCP servers' tools: waits (logged) while one is down
     registry = app.registry()
@@ -79,7 +92,11 @@ async def serve(name: Service, *, app: App, model: Model | None = None) -> None:
         model=None if model is None else model.name, bootstrap=settings.bootstrap,
         prefix=settings.topic_prefix)
     try:
-        await run_service(name, settings, registry, model, app=app)
+        async with asyncio.TaskGroup() as group:  # the first to fail stops the others
+            for part in parts:
+                group.create_task(run_service(
+                    part, settings.as_kind(part.value), registry,
+                    model if part is Service.DECIDER else None, app=app))
     except asyncio.CancelledError:
         log.get("halfway.serve").info("service stopped", service=name.value)
     finally:

@@ -1,0 +1,125 @@
+"""`halfway run worker` and the local folds it rests on.
+
+A follower folds its own process's journal appends as soon as they are acknowledged, but only
+when every record before them is folded: the fold stays in log order, and the fetched copy is
+then skipped. A worker (a decider and an executor in one process, each in its own group) acts
+on the other's appends that way; it mixes with separate deciders and executors, and a task is
+charged once whatever runs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from aiokafka import TopicPartition
+from aiokafka.coordinator.protocol import ConsumerProtocolMemberMetadata
+
+from halfway.contract import FinalState
+from halfway.contract.topics import TASKS
+from halfway.core.fold import TaskStatus
+from halfway.journal import membership
+from halfway.journal.follower import JournalFollower, _Partition
+from halfway.journal.writer import JournalWriter
+from halfway.settings import KafkaSettings
+from tests.factories import Stamper
+from tests.processes import Cluster, charges_for, renewal_request
+
+pytest_plugins = ["tests.processes"]
+
+SETTINGS = KafkaSettings(bootstrap="127.0.0.1:1", topic_prefix="local.", replication_factor=1)
+JOURNAL_TP = TopicPartition("local.journal", 0)
+MADE: list[tuple[JournalFollower, JournalWriter]] = []
+
+
+@pytest.fixture(autouse=True)
+async def _close_clients() -> AsyncIterator[None]:
+    yield
+    while MADE:
+        f, writer = MADE.pop()
+        await f.stop()
+        await writer.stop()
+
+
+def follower(applied_to: int) -> JournalFollower:
+    """A follower (never started) whose journal partition 0 is caught up to `applied_to`."""
+    async def nothing(_tasks: set[str]) -> None:
+        return None
+
+    writer = JournalWriter(SETTINGS)
+    f = JournalFollower(SETTINGS, group="local.decider", writer=writer, on_change=nothing,
+                        side=TASKS)
+    f._partitions[JOURNAL_TP] = _Partition(end_at_assign=0, applied_to=applied_to,
+                                           caught_up=True)
+    MADE.append((f, writer))
+    return f
+
+
+async def test_an_own_append_is_folded_at_once_only_in_log_order() -> None:
+    s = Stamper("t1", now=datetime(2026, 12, 1, tzinfo=UTC), tick=timedelta(seconds=1))
+    requested, started, intended = s.requested(), s.started(), s.intended(1)
+    f = follower(applied_to=4)
+    f._apply(requested, JOURNAL_TP, 4 + 0)  # already folded: offset 4 is not past 4
+    assert f.states.get("t1") is None
+
+    # Offset 5 follows what is folded: folded now, and the fetch's copy is skipped.
+    f._appended("local.journal", requested, 0, 5)
+    assert f.states["t1"].status is TaskStatus.REQUESTED
+    assert f._folded("local.journal", 0, 5)
+    # Offset 7 leaves a gap (someone else's record at 6 is not folded yet): it waits for the
+    # fetch, which brings 6 and then 7, in order.
+    f._appended("local.journal", intended, 0, 7)
+    assert not f._folded("local.journal", 0, 7)
+    assert f.states["t1"].status is TaskStatus.REQUESTED
+    f._apply(started, JOURNAL_TP, 6)
+    f._apply(intended, JOURNAL_TP, 7)
+    assert f.states["t1"].status is TaskStatus.RUNNING
+    assert 1 in f.states["t1"].steps
+    # Another topic's append, or a partition not caught up, is never folded locally.
+    f._appended("other.journal", s.finished(FinalState.SUCCEEDED), 0, 8)
+    f._partitions[JOURNAL_TP].caught_up = False
+    f._appended("local.journal", s.finished(FinalState.SUCCEEDED), 0, 8)
+    assert f.states["t1"].status is TaskStatus.RUNNING
+
+
+def test_group_members_of_one_process_get_the_same_partitions_in_every_group() -> None:
+    """Range assignment ranks members by process first: two workers' deciders and executors
+    (each group's member ids in another order) get matching partitions."""
+    class Cluster:
+        def partitions_for_topic(self, topic: str) -> set[int]:
+            return set(range(6))
+
+    def meta(process: str) -> ConsumerProtocolMemberMetadata:
+        return ConsumerProtocolMemberMetadata(0, ["j"], b"app@1\0" + process.encode())
+
+    assignor = membership.labelled_range("app@1", lambda _labels: None)
+    deciders = assignor.assign(Cluster(), {"m-b": meta("p1"), "m-a": meta("p2")})
+    executors = assignor.assign(Cluster(), {"m-a": meta("p1"), "m-b": meta("p2")})
+    by_process = [
+        ({"p1": deciders["m-b"], "p2": deciders["m-a"]}),
+        ({"p1": executors["m-a"], "p2": executors["m-b"]}),
+    ]
+    for process in ("p1", "p2"):
+        assert (by_process[0][process].assignment == by_process[1][process].assignment)
+    assert by_process[0]["p1"].assignment != by_process[0]["p2"].assignment
+
+
+@pytest.mark.broker
+async def test_a_worker_runs_tasks_and_mixes_with_a_separate_executor(core: Cluster) -> None:
+    worker = await core.start("worker")
+    first = [f"worker-{i}" for i in range(4)]
+    await core.publish(*(renewal_request(t) for t in first))
+    states = await core.journal.until_finished(first)
+    assert all(s.final_state is FinalState.SUCCEEDED for s in states.values())
+    assert worker.logged("partitions assigned")
+
+    # A separate executor joins the executors' group: the work is shared, charged once.
+    await core.start("executor")
+    more = [f"worker-more-{i}" for i in range(6)]
+    await core.publish(*(renewal_request(t) for t in more))
+    states = await core.journal.until_finished(more)
+    assert all(s.final_state is FinalState.SUCCEEDED for s in states.values())
+    charges = await core.ledger()
+    for task_id in [*first, *more]:
+        assert len(charges_for(charges, f"{task_id}:1")) == 1, task_id
