@@ -217,9 +217,10 @@ async def restart(settings: KafkaSettings, label: str, *,
 
 
 async def one(base: KafkaSettings, events: int, *, prefix: str | None = None,
-              keep: bool = False) -> dict[str, float]:
-    """Fill a fresh prefix (or reuse `prefix`, filled and snapshotted by an earlier `--keep`
-    run: the warm restart only), time the restarts, and delete the topics unless `keep`."""
+              keep: bool = False, first: bool = False) -> dict[str, float]:
+    """Fill a fresh prefix (or reuse `prefix`, filled by an earlier `--keep` run: the restart
+    from snapshots only, unless `first`), time the restarts, and delete the topics unless
+    `keep`."""
     settings = base.with_prefix(prefix or f"recovery-{uuid.uuid4().hex[:8]}.")
     r: dict[str, float] = {"cold_s": float("nan"), "cold_rss": float("nan"),
                            "fill_s": float("nan")}
@@ -229,7 +230,9 @@ async def one(base: KafkaSettings, events: int, *, prefix: str | None = None,
             started = time.monotonic()
             await fill(settings, events)
             r["fill_s"] = time.monotonic() - started
-            # Cold: no snapshot, the journal from zero; it snapshots every partition.
+        if prefix is None or first:
+            # Cold: no snapshot (or only unusable ones: replayed), the journal from zero; it
+            # snapshots every partition.
             r["cold_s"], r["cold_rss"], _ = await restart(settings, f"{events}-cold",
                                                           until_snapshots=JOURNAL.partitions)
         # Warm: the snapshots and the journal after them (a probe request or two).
@@ -252,12 +255,15 @@ async def main() -> None:
                         help="keep the topics (and print their prefix) for a later --prefix")
     parser.add_argument("--prefix", help="reuse a kept history: only the restart from "
                                          "snapshots is timed (--events names its size)")
+    parser.add_argument("--first", action="store_true",
+                        help="with --prefix: a first start that writes the snapshots too "
+                             "(a kept history whose snapshots this build cannot read)")
     args = parser.parse_args()
     base = KafkaSettings.from_env()
     print(f"{'journal events':>15} {'cold: first action':>19} {'RSS':>8}"
           f" {'from snapshot: first action':>28} {'RSS':>8} {'restored':>9} {'(fill)':>8}")
     for events in (int(n) for n in args.events.split(",")):
-        r = await one(base, events, prefix=args.prefix, keep=args.keep)
+        r = await one(base, events, prefix=args.prefix, keep=args.keep, first=args.first)
         print(f"{events:>15,} {r['cold_s']:>17.2f} s {r['cold_rss']:>4.0f} MiB"
               f" {r['warm_s']:>26.2f} s {r['warm_rss']:>4.0f} MiB"
               f" {r['restored']:>5.0f}/{JOURNAL.partitions} {r['fill_s']:>7.1f}s", flush=True)

@@ -17,6 +17,7 @@ from halfway.contract import Event, FinalState, Outcome, SettlementSource
 from halfway.core.decide import Idle, decide
 from halfway.core.fold import TaskState, TaskStatus, fold
 from halfway.journal.follower import JournalFollower, _Partition
+from halfway.journal.sealed import MERGE_AT_LEAST, SealedTasks
 from halfway.journal.writer import JournalWriter
 from halfway.settings import KafkaSettings
 from tests.factories import Stamper
@@ -82,7 +83,10 @@ async def test_tasks_over_for_good_are_sealed_and_the_rest_kept_whole() -> None:
     f = follower()
     feed(f, events)
 
-    assert set(f.sealed) == {"old-1", "old-2"}
+    assert "old-1" in f.sealed
+    assert "old-2" in f.sealed
+    assert len(f.sealed) == 2
+    assert not any(t in f.sealed for t in ("open-1", "running-1", "recent-1", "today-1"))
     sealed = f.states["old-1"]
     assert sealed == TaskState(task_id="old-1", status=TaskStatus.FINISHED)  # its status only
     for task_id in ("open-1", "running-1", "recent-1", "today-1"):
@@ -132,3 +136,30 @@ async def test_a_task_with_news_since_it_ended_waits_a_full_grace_again() -> Non
     for i, event in enumerate(done_task("tick-2", NOW + DAY)):
         f._apply(event, TP, 200 + i)
     assert "undone-1" in f.sealed
+
+
+def test_sealed_tasks_cost_a_digest_each_and_survive_packing() -> None:
+    """The sealed set answers exactly for what it was given (digests, merged in batches, a
+    status per task), and its packed bytes restore the same answers."""
+    sealed = SealedTasks()
+    ended = {f"t-{i}": (TaskStatus.REJECTED if i % 7 == 0 else TaskStatus.FINISHED)
+             for i in range(3 * MERGE_AT_LEAST)}
+    for task_id, status in ended.items():
+        sealed.add(int(task_id[2:]) % 3, task_id, status)
+    sealed.add(0, "t-0", TaskStatus.FINISHED)  # sealed again, as it ended the second time
+    ended["t-0"] = TaskStatus.FINISHED
+    assert len(sealed) == len(ended)
+    assert all(sealed.get(t) is s for t, s in ended.items())
+    assert not any(f"u-{i}" in sealed for i in range(10_000))
+    restored = SealedTasks()
+    for n in range(3):
+        restored.restore(n, sealed.packed(n))
+    assert restored == sealed
+    assert all(restored.get(t) is s for t, s in ended.items())
+    sealed.drop(1)
+    assert "t-1" not in sealed
+    assert "t-0" in sealed
+    with pytest.raises(ValueError, match="not 64-bit values"):
+        restored.restore(0, b"\x00" * 7)
+    with pytest.raises(ValueError, match="ascending"):
+        restored.restore(0, (2).to_bytes(8, "little") + (1).to_bytes(8, "little"))

@@ -68,6 +68,7 @@ from halfway.core.fold import StepStatus, TaskState, TaskStatus, apply
 from halfway.journal import snapshots as snaps
 from halfway.journal.reader import EventConsumer
 from halfway.journal.records import Delivery
+from halfway.journal.sealed import SealedTasks
 from halfway.journal.writer import JournalWriter, local_appends
 from halfway.settings import KafkaSettings
 
@@ -139,12 +140,12 @@ class HeldWebhook:
 
 
 class _States(dict[str, TaskState]):
-    """Task states by id. A sealed task (in `sealed`, id -> status, and nothing here) reads as
-    the state of its status only, made when asked: a sealed task costs a dict entry, not a
-    TaskState (hundreds of bytes each, millions of them after months). A dormant task (restored
-    from a snapshot as bytes) is decoded and folded the first time it is asked for."""
+    """Task states by id. A sealed task (in `sealed`, 8 bytes, and nothing here) reads as the
+    state of its status only, made when asked: not a TaskState (hundreds of bytes each, millions
+    of them after months). A dormant task (restored from a snapshot as bytes) is decoded and
+    folded the first time it is asked for."""
 
-    def __init__(self, sealed: dict[str, TaskStatus], dormant: dict[str, snaps.Dormant],
+    def __init__(self, sealed: SealedTasks, dormant: dict[str, snaps.Dormant],
                  wake: Callable[[str], None]) -> None:
         super().__init__()
         self.sealed = sealed
@@ -210,7 +211,7 @@ class JournalFollower:
         self._on_assign = on_assign
         self._on_revoke = on_revoke
         self._log = log.get("halfway.follower", group=group)
-        self.sealed: dict[str, TaskStatus] = {}  # task id -> how it ended; only that is kept
+        self.sealed = SealedTasks()  # task id -> how it ended; only that is kept
         # Restored from a snapshot over and settled for good, not decoded (yet): see `_wake`.
         self.dormant: dict[str, snaps.Dormant] = {}
         self.states: dict[str, TaskState] = _States(self.sealed, self.dormant, self._wake_task)
@@ -524,7 +525,7 @@ class JournalFollower:
             del self._ended_last[task_id]
             dormant = self.dormant.pop(task_id, None)
             if dormant is not None:  # no news since the snapshot: settled for good still
-                self.sealed[task_id] = TaskStatus(dormant.status)
+                self._seal(number, task_id, TaskStatus(dormant.status))
                 for key, _ in dormant.first_attempts:
                     self.first_attempt.pop(key, None)
                 self._weighable.pop(task_id, None)
@@ -535,7 +536,7 @@ class JournalFollower:
                 continue  # needs attention, or an effect is open: its next event re-enters it
             self.states.pop(task_id, None)  # a sealed task reads from `sealed`
             assert state.status is not None
-            self.sealed[task_id] = state.status
+            self._seal(number, task_id, state.status)
             self._history.pop(task_id, None)
             self.requests.pop(task_id, None)
             self._weighable.pop(task_id, None)
@@ -544,6 +545,12 @@ class JournalFollower:
                 self.first_attempt.pop(step.intent.key, None)
                 if step.compensation is not None:
                     self.first_attempt.pop(step.compensation.key, None)
+
+    def _seal(self, number: int, task_id: str, status: TaskStatus) -> None:
+        self.sealed.add(number, task_id, status)
+        for tp, part in self._partitions.items():  # its id is kept in `sealed` only
+            if tp.partition == number:
+                part.tasks.discard(task_id)
 
     def _not_before_adoption(self, deliveries: list[Delivery],
                              adoptions: int) -> list[Delivery]:
@@ -704,6 +711,7 @@ class JournalFollower:
             if tp.topic == self._journal:
                 self._ended.pop(tp.partition, None)
                 self.restored.pop(tp.partition, None)
+                self.sealed.drop(tp.partition)
             if tp.topic != self._journal:
                 for item in self._held.pop(tp.partition, ()):
                     self._held_tasks[item.hook.task_id or ""] -= 1
@@ -722,7 +730,6 @@ class JournalFollower:
                         if step.compensation is not None:
                             self.first_attempt.pop(step.compensation.key, None)
                     self._awaiting.pop(task_id, None)
-                    self.sealed.pop(task_id, None)
                     self._ended_last.pop(task_id, None)
                     self._dirty.discard(task_id)
                     self._failures.pop(task_id, None)
@@ -790,10 +797,7 @@ class JournalFollower:
         partitions being adopted. Yields to the loop every RESTORE_BATCH items: the consumer's
         heartbeat goes on meanwhile."""
         part = parts[tp]
-        for status, ids in image.sealed.items():
-            self.sealed.update(dict.fromkeys(ids, TaskStatus(status)))
-            part.tasks.update(ids)
-        await asyncio.sleep(0)
+        self.sealed.restore(tp.partition, image.sealed)
         for dormant in image.dormant:
             self.dormant[dormant.task_id] = dormant
             self.first_attempt.update(dormant.first_attempts)
@@ -827,10 +831,6 @@ class JournalFollower:
                  and settled_for_good(dict.__getitem__(self.states, t))}
         events = sorted((item for task_id in part.tasks if task_id not in quiet
                          for item in self._history.get(task_id, ())), key=lambda item: item[0])
-        sealed: dict[str, list[str]] = {}
-        for t in part.tasks:
-            if (status := self.sealed.get(t)) is not None:
-                sealed.setdefault(status.value, []).append(t)
         dormant = [self.dormant[t] for t in part.tasks if t in self.dormant]
         side_tp = None if self._side is None else TopicPartition(self._side, number)
         side = None if side_tp is None else self._partitions.get(side_tp)
@@ -849,7 +849,8 @@ class JournalFollower:
         status = {t: dict.__getitem__(self.states, t).status for t in quiet}
         return snaps.Image(partition=number, journal_next=part.applied_to + 1,
                            side_next=side_next, events=events, requests=requests,
-                           sealed=sealed, ended=list(self._ended.get(number, ())),
+                           sealed=self.sealed.packed(number),
+                           ended=list(self._ended.get(number, ())),
                            dormant=dormant,
                            quiet=[(t, str(status[t]), self._history[t], self.requests.get(t))
                                   for t in quiet])
@@ -899,7 +900,7 @@ class JournalFollower:
         self._log.info("snapshot written", partition=tp.partition,
                        journal_next=image.journal_next, live_events=len(image.events),
                        dormant=len(image.dormant) + len(image.quiet),
-                       sealed=sum(map(len, image.sealed.values())), bytes=len(blob),
+                       sealed=len(image.sealed) // 8, bytes=len(blob),
                        seconds=round(self.snapshot_written_s - started, 3))
 
 

@@ -46,10 +46,11 @@ from halfway.contract import CompensationAttempted, Event, StepAttempted, TaskRe
 from halfway.contract.topics import SNAPSHOTS
 from halfway.core.fold import TaskStatus
 from halfway.journal.limits import fetch_limits
+from halfway.journal.sealed import unpack
 from halfway.journal.writer import JournalWriter
 from halfway.settings import KafkaSettings
 
-FORMAT = 2
+FORMAT = 3
 MAGIC = b"halfway-snapshot\n"
 # When a follower writes a partition's snapshot: after this many records applied since the
 # last one, or this long after it with anything applied, or this long after it regardless (so
@@ -77,7 +78,7 @@ _EVENTS = TypeAdapter(list[Event])
 _REQUESTS = TypeAdapter(list[TaskRequested])
 _REQUEST = TypeAdapter(TaskRequested)
 _LEN = struct.Struct(">Q")
-_ENDED = {TaskStatus.FINISHED.value, TaskStatus.REJECTED.value}  # a sealed or dormant status
+_ENDED = {TaskStatus.FINISHED.value, TaskStatus.REJECTED.value}  # a dormant task's status
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +125,7 @@ class Image:
     side_next: int | None  # where to read the side topic's partition of the same number from
     events: list[tuple[int, Event]] = field(default_factory=list)  # (offset, event), log order
     requests: list[TaskRequested] = field(default_factory=list)
-    sealed: dict[str, list[str]] = field(default_factory=dict)  # status -> task ids
+    sealed: bytes = b""  # the partition's sealed tasks (halfway.journal.sealed)
     ended: list[tuple[datetime, str]] = field(default_factory=list)  # waiting to be sealed
     dormant: list[Dormant] = field(default_factory=list)  # as read, or kept since
     quiet: list[Quiet] = field(default_factory=list)  # dormant since, encoded with the image
@@ -138,14 +139,14 @@ def encode(image: Image) -> bytes:
     dormant = [*image.dormant, *(Dormant.of(*q) for q in image.quiet)]
     header = {"v": FORMAT, "partition": image.partition, "journal_next": image.journal_next,
               "side_next": image.side_next, "offsets": [o for o, _ in image.events],
-              "sealed": image.sealed,
               "ended": [[at.isoformat(), task_id] for at, task_id in image.ended],
               "dormant": [[d.task_id, d.status, d.offsets, d.first_attempts, len(d.events),
                            -1 if d.request is None else len(d.request)] for d in dormant]}
     parts = [json.dumps(header, separators=(",", ":")).encode(),
              _EVENTS.dump_json([e for _, e in image.events]),
              _REQUESTS.dump_json(image.requests),
-             b"".join(d.events + (d.request or b"") for d in dormant)]
+             b"".join(d.events + (d.request or b"") for d in dormant),
+             image.sealed]
     body = b"".join(_LEN.pack(len(p)) + p for p in parts)
     return MAGIC + zlib.compress(body, COMPRESS_LEVEL)
 
@@ -158,7 +159,7 @@ def decode(blob: bytes) -> Image:
     try:
         body = zlib.decompress(blob[len(MAGIC):])
         parts, at = [], 0
-        for _ in range(4):
+        for _ in range(5):
             (n,) = _LEN.unpack_from(body, at)
             parts.append(body[at + _LEN.size:at + _LEN.size + n])
             at += _LEN.size + n
@@ -179,11 +180,8 @@ def decode(blob: bytes) -> Image:
                 tuple((str(k), int(o)) for k, o in firsts), blobs[at:at + n_events],
                 None if n_request < 0 else blobs[at + n_events:end]))
             at = end
-        sealed = header["sealed"]
-        if not isinstance(sealed, dict) or not all(
-                isinstance(ids, list) for ids in sealed.values()):
-            raise UnusableSnapshot("sealed tasks are not listed by status")
-        statuses = {*sealed, *(d.status for d in dormant)}
+        unpack(parts[4])  # raises ValueError
+        statuses = {d.status for d in dormant}
         if not statuses <= _ENDED:
             raise UnusableSnapshot(f"not how a task ends: {sorted(statuses - _ENDED)[:3]}")
         return Image(
@@ -191,7 +189,7 @@ def decode(blob: bytes) -> Image:
             side_next=None if header["side_next"] is None else int(header["side_next"]),
             events=list(zip(offsets, events, strict=True)),
             requests=_REQUESTS.validate_json(parts[2]),
-            sealed=sealed,
+            sealed=parts[4],
             ended=[(datetime.fromisoformat(at), str(t)) for at, t in header["ended"]],
             dormant=dormant)
     except UnusableSnapshot:
@@ -332,7 +330,7 @@ async def load(settings: KafkaSettings, group: str,
             return None
         logger.info("snapshot read", partition=tp.partition, journal_next=image.journal_next,
                     live_events=len(image.events), dormant=len(image.dormant),
-                    sealed=sum(map(len, image.sealed.values())),
+                    sealed=len(image.sealed) // 8,
                     bytes=pointer.size, seconds=round(time.monotonic() - started, 3))
         return image
 
