@@ -282,3 +282,20 @@ async def test_a_restarted_decider_restores_its_snapshot_and_acts_the_same(core:
     charges = await core.ledger()
     for task_id in [*before, *after]:
         assert len(charges_for(charges, f"{task_id}:1")) == 1, task_id
+
+
+async def test_a_task_over_for_a_minute_is_kept_as_bytes_and_comes_back_whole() -> None:
+    done = task_records("done", "done-1", BASE)
+    later = task_records("running", "later-1", BASE + timedelta(minutes=45))
+    f = follower()
+    feed(f, done, {JOURNAL_TP: 0, SIDE_TP: 0})
+    assert "done-1" not in f.dormant  # just over: kept whole (its services may look again)
+    whole = dict.__getitem__(f.states, "done-1")
+    feed(f, later, {JOURNAL_TP: len(done) - 1, SIDE_TP: 1})
+    assert "done-1" in f.dormant
+    assert not dict.__contains__(f.states, "done-1")
+    assert "done-1" not in f._history
+    assert "done-1" not in f.requests
+    assert f.states["done-1"] == whole  # asked for: decoded and folded again, the same
+    assert "done-1" not in f.dormant
+    assert f.requests["done-1"].task_id == "done-1"

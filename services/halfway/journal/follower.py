@@ -88,6 +88,11 @@ RESTORE_BATCH = 2000  # items restored from an image between two yields to the l
 # the group to take the partitions away mid-replay. Frozen objects are still freed by their
 # reference counts (task states and events hold no cycles); only cycles among them would stay.
 GC_FREEZE_EVERY_RECORDS = 100_000
+# A task over and settled for good this long before the newest record of its partition (the
+# journal's clock) is kept as the JSON of its events until it is sealed (`snaps.Dormant`): a
+# few hundred bytes a record instead of its folded objects.
+DORMANT_AFTER_S = 60.0
+_DORMANT_AFTER = timedelta(seconds=DORMANT_AFTER_S)
 # How long one fetch waits when the journal is quiet (a `touch` ends the wait at once).
 IDLE_FETCH_MS = 100
 # A task whose act failed is tried again after RETRY_S_MIN, doubling up to RETRY_S_MAX; after
@@ -243,6 +248,8 @@ class JournalFollower:
         # Per journal partition, ended tasks in the order their last event came: (at, id).
         self._ended: dict[int, deque[tuple[datetime, str]]] = {}
         self._ended_last: dict[str, datetime] = {}  # task id -> `at` of its newest entry
+        # The same, waiting to go dormant (snapshots only: dormant tasks need their history).
+        self._quieting: dict[int, deque[tuple[datetime, str]]] = {}
         # Snapshots: the journal records folded into each task's state since it was last
         # sealed (all of them for a live task), which is what an image of its partition holds.
         self.snapshots = snapshots and os.environ.get(SNAPSHOTS_ENV, "on").lower() != "off"
@@ -490,7 +497,11 @@ class JournalFollower:
                     self._ended.setdefault(tp.partition, deque()).append(
                         (event.at, event.task_id))
                     self._ended_last[event.task_id] = event.at
+                    if self.snapshots:
+                        self._quieting.setdefault(tp.partition, deque()).append(
+                            (event.at, event.task_id))
                 self._seal_due(tp.partition, event.at)
+                self._quiet_due(tp.partition, event.at)
         self._dirty.add(event.task_id)
 
     def _fold(self, event: Event, offset: int) -> tuple[TaskState | None, TaskState]:
@@ -546,6 +557,23 @@ class JournalFollower:
                 if step.compensation is not None:
                     self.first_attempt.pop(step.compensation.key, None)
 
+    def _quiet_due(self, number: int, now: datetime) -> None:
+        """Keep the tasks of journal partition `number` that ended DORMANT_AFTER_S before
+        `now`, settled for good and without news since, as bytes (see `_wake_task`)."""
+        quieting = self._quieting.get(number)
+        while quieting and quieting[0][0] + _DORMANT_AFTER <= now:
+            at, task_id = quieting.popleft()
+            if self._ended_last.get(task_id) != at or task_id in self.dormant:
+                continue  # sealed, news since, or dormant already
+            state = dict.get(self.states, task_id)
+            history = self._history.get(task_id)
+            if state is None or history is None or not settled_for_good(state):
+                continue
+            self.dormant[task_id] = snaps.Dormant.of(task_id, str(state.status), history,
+                                                     self.requests.pop(task_id, None))
+            dict.pop(self.states, task_id)
+            del self._history[task_id]
+
     def _seal(self, number: int, task_id: str, status: TaskStatus) -> None:
         self.sealed.add(number, task_id, status)
         for tp, part in self._partitions.items():  # its id is kept in `sealed` only
@@ -572,8 +600,13 @@ class JournalFollower:
         return kept
 
     async def _refresh_positions(self) -> None:
+        """Positions of the partitions the last fetch returned records of, of those still
+        catching up, and after a quiet fetch of all (a position moves only with a fetch)."""
         kafka = self._consumer.kafka
+        fetched = self._consumer.fetched
         for tp, part in list(self._partitions.items()):
+            if fetched and tp not in fetched and part.caught_up:
+                continue
             try:
                 position = await kafka.position(tp)
             except Exception:  # revoked meanwhile
@@ -710,6 +743,7 @@ class JournalFollower:
             self._adopted.pop(tp, None)
             if tp.topic == self._journal:
                 self._ended.pop(tp.partition, None)
+                self._quieting.pop(tp.partition, None)
                 self.restored.pop(tp.partition, None)
                 self.sealed.drop(tp.partition)
             if tp.topic != self._journal:

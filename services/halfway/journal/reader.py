@@ -44,6 +44,7 @@ class EventConsumer:
                  app_label: str | None = None) -> None:
         self.group = group
         self.app_label = app_label
+        self.fetched: set[TopicPartition] = set()  # partitions the last `batch` had records of
         # Every app label the group's members announced at the last rebalance (membership).
         self.group_apps: dict[str, int] = {}
         self._topics = [t.name(settings.topic_prefix) for t in topics]
@@ -120,6 +121,7 @@ class EventConsumer:
         Records `folded` says the caller has already (topic, partition, offset) are skipped
         without decoding."""
         batches = await self._fetch(timeout_ms, wake)
+        self.fetched = set(batches)
         out = []
         for records in batches.values():
             for record in records:
