@@ -199,7 +199,8 @@ class JournalFollower:
                  on_event: OnEvent | None = None, on_assign: OnAssign | None = None,
                  on_revoke: OnRevoke | None = None, app_label: str | None = None,
                  seal_after_s: float | None = None, snapshots: bool = False,
-                 wake_on_catch_up: Callable[[str], bool] | None = None) -> None:
+                 wake_on_catch_up: Callable[[str], bool] | None = None,
+                 gather_ms: int = 0) -> None:
         assert side in (None, TASKS, WEBHOOKS), "side topics must be keyed by task id"
         assert not (snapshots and on_event), "a restored state skips the per-event hook"
         topics: tuple[TopicSpec, ...] = (JOURNAL,) if side is None else (JOURNAL, side)
@@ -210,7 +211,8 @@ class JournalFollower:
         self._journal = JOURNAL.name(settings.topic_prefix)
         self._webhooks = WEBHOOKS.name(settings.topic_prefix) if side is WEBHOOKS else None
         self._consumer = EventConsumer(settings, topics=topics, group=group, writer=writer,
-                                       listener=_Listener(self), app_label=app_label)
+                                       listener=_Listener(self), app_label=app_label,
+                                       gather_ms=gather_ms)
         self._on_change = on_change
         self._on_event = on_event
         self._on_assign = on_assign
