@@ -150,6 +150,8 @@ def test_sealed_tasks_cost_a_digest_each_and_survive_packing() -> None:
     ended["t-0"] = TaskStatus.FINISHED
     assert len(sealed) == len(ended)
     assert all(sealed.get(t) is s for t, s in ended.items())
+    assert all(sealed.has(int(t[2:]) % 3, t) for t in ended)  # in its own partition
+    assert not any(sealed.has(int(t[2:]) % 3 + 1, t) for t in ended)  # and only there
     assert not any(f"u-{i}" in sealed for i in range(10_000))
     restored = SealedTasks()
     for n in range(3):

@@ -488,7 +488,8 @@ class JournalFollower:
             if event.task_id in self.dormant:
                 self._wake_task(event.task_id)  # its first request comes back first
             self.requests.setdefault(event.task_id, event)
-        elif event.task_id in self.sealed and not isinstance(event, TaskRequested):
+        elif self.sealed.has(tp.partition, event.task_id) and not isinstance(
+                event, TaskRequested):
             return  # late news of a sealed task: not folded (see the module docstring)
         else:
             before, after = self._fold(event, offset)

@@ -58,16 +58,22 @@ class SealedTasks:
         if len(recent) >= max(MERGE_AT_LEAST, len(values) // 8):
             self._merge(partition)
 
-    def get(self, task_id: str) -> TaskStatus | None:
+    def get(self, task_id: str, partition: int | None = None) -> TaskStatus | None:
+        """How the task ended, if sealed; `partition` (when known) is the only one looked in."""
         d = digest(task_id)
-        for recent in self._recent.values():
-            if (status := recent.get(d)) is not None:
+        numbers = self._sorted.keys() | self._recent.keys() if partition is None else (partition,)
+        for number in numbers:
+            if (status := self._recent.get(number, {}).get(d)) is not None:
                 return status
-        for values in self._sorted.values():
+            values = self._sorted.get(number, _EMPTY)
             i = bisect_left(values, d)
             if i < len(values) and values[i] >> 1 == d >> 1:
                 return _status(values[i])
         return None
+
+    def has(self, partition: int, task_id: str) -> bool:
+        """Whether the task of that journal partition is sealed."""
+        return self.get(task_id, partition) is not None
 
     def __contains__(self, task_id: object) -> bool:
         return isinstance(task_id, str) and self.get(task_id) is not None
