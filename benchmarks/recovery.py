@@ -188,7 +188,7 @@ def logged(path: Path, event: str) -> list[dict]:
 async def restart(settings: KafkaSettings, label: str, *,
                   until_snapshots: int = 0) -> tuple[float, float, Path]:
     """Start a decider, time its first action on a fresh request, and its RSS then; with
-    `until_snapshots`, keep it running until it wrote that many snapshots."""
+    `until_snapshots`, keep it running until it wrote snapshots of that many partitions."""
     probe = await request_probe(settings)
     env = dict(os.environ) | {"HALFWAY_TOPIC_PREFIX": settings.topic_prefix,
                               "HALFWAY_LOG_FORMAT": "json",
@@ -208,8 +208,10 @@ async def restart(settings: KafkaSettings, label: str, *,
         seconds = await watcher - since
         rss = rss_mib(proc.pid)
         async with asyncio.timeout(WAIT_S):
-            while len(logged(log_path, "snapshot written")) < until_snapshots:  # noqa: ASYNC110 (a log file has no notification)
+            written = {e.get("partition") for e in logged(log_path, "snapshot written")}
+            while len(written) < until_snapshots:  # a log file has no notification: polled
                 await asyncio.sleep(0.5)
+                written = {e.get("partition") for e in logged(log_path, "snapshot written")}
     finally:
         proc.terminate()
         await proc.wait()
