@@ -185,6 +185,13 @@ def logged(path: Path, event: str) -> list[dict]:
     return out
 
 
+def snapshotted(log_path: Path) -> set[int]:
+    """The partitions that have a snapshot now: written by this process, or restored."""
+    written = {e.get("partition") for e in logged(log_path, "snapshot written")}
+    restored = {p for e in logged(log_path, "partitions assigned") for p in e.get("restored", [])}
+    return written | restored
+
+
 async def restart(settings: KafkaSettings, label: str, *,
                   until_snapshots: int = 0) -> tuple[float, float, Path]:
     """Start a decider, time its first action on a fresh request, and its RSS then; with
@@ -208,10 +215,8 @@ async def restart(settings: KafkaSettings, label: str, *,
         seconds = await watcher - since
         rss = rss_mib(proc.pid)
         async with asyncio.timeout(WAIT_S):
-            written = {e.get("partition") for e in logged(log_path, "snapshot written")}
-            while len(written) < until_snapshots:  # a log file has no notification: polled
+            while len(snapshotted(log_path)) < until_snapshots:  # noqa: ASYNC110 (a log file has no notification)
                 await asyncio.sleep(0.5)
-                written = {e.get("partition") for e in logged(log_path, "snapshot written")}
     finally:
         proc.terminate()
         await proc.wait()
