@@ -49,3 +49,11 @@ async def topics(kafka_settings: KafkaSettings) -> AsyncIterator[KafkaSettings]:
 async def writer(topics: KafkaSettings) -> AsyncIterator[JournalWriter]:
     async with JournalWriter(topics) as w:
         yield w
+
+
+@pytest.fixture(autouse=True)
+async def _close_unstarted_followers() -> AsyncIterator[None]:
+    yield
+    from tests.followers import close_made
+
+    await close_made()

@@ -7,7 +7,6 @@ same states, and every task that is not sealed holds exactly the fold of its eve
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -16,11 +15,11 @@ from aiokafka import TopicPartition
 from halfway.contract import Event, FinalState, Outcome, SettlementSource
 from halfway.core.decide import Idle, decide
 from halfway.core.fold import TaskState, TaskStatus, fold
-from halfway.journal.follower import JournalFollower, _Partition
+from halfway.journal.follower import JournalFollower
 from halfway.journal.sealed import MERGE_AT_LEAST, SealedTasks
-from halfway.journal.writer import JournalWriter
 from halfway.settings import KafkaSettings
 from tests.factories import Stamper
+from tests.followers import unstarted
 
 SETTINGS = KafkaSettings(bootstrap="127.0.0.1:1", topic_prefix="seal.", replication_factor=1)
 TP = TopicPartition("seal.journal", 0)
@@ -28,29 +27,9 @@ DAY = timedelta(days=1)
 NOW = datetime(2026, 12, 3, 12, 0, tzinfo=UTC)
 
 
-MADE: list[tuple[JournalFollower, JournalWriter]] = []
-
-
 def follower() -> JournalFollower:
-    """A follower that is never started: records are handed to its fold path directly."""
-    async def nothing(_tasks: set[str]) -> None:
-        return None
-
-    writer = JournalWriter(SETTINGS)
-    f = JournalFollower(SETTINGS, group="seal.executor", writer=writer, on_change=nothing,
-                        seal_after_s=DAY.total_seconds())
-    f._partitions[TP] = _Partition(end_at_assign=0)
-    MADE.append((f, writer))
-    return f
-
-
-@pytest.fixture(autouse=True)
-async def _close_clients() -> AsyncIterator[None]:
-    yield
-    while MADE:
-        f, writer = MADE.pop()
-        await f.stop()
-        await writer.stop()
+    """An executor-like follower, never started."""
+    return unstarted(SETTINGS, "seal.executor", [TP], seal_after_s=DAY.total_seconds())
 
 
 def done_task(task_id: str, at: datetime) -> list[Event]:

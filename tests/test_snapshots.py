@@ -11,7 +11,6 @@ with is refused and the partition replayed.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -23,10 +22,11 @@ from hypothesis import strategies as st
 from halfway.contract import Event, FinalState, Outcome, SettlementSource
 from halfway.contract.topics import JOURNAL, TASKS
 from halfway.journal import snapshots
-from halfway.journal.follower import JournalFollower, _Partition
+from halfway.journal.follower import JournalFollower
 from halfway.journal.writer import JournalWriter
 from halfway.settings import KafkaSettings
 from tests.factories import Stamper
+from tests.followers import unstarted
 from tests.processes import Cluster, charges_for, renewal_request, stop
 
 pytest_plugins = ["tests.processes"]
@@ -37,30 +37,10 @@ SIDE_TP = TopicPartition("snap.tasks", 0)
 DAY = timedelta(days=1)
 BASE = datetime(2026, 11, 20, tzinfo=UTC)
 
-MADE: list[tuple[JournalFollower, JournalWriter]] = []
-
-
 def follower() -> JournalFollower:
     """A decider-like follower (tasks as its side topic) that is never started."""
-    async def nothing(_tasks: set[str]) -> None:
-        return None
-
-    writer = JournalWriter(SETTINGS)
-    f = JournalFollower(SETTINGS, group="snap.decider", writer=writer, on_change=nothing,
-                        side=TASKS, seal_after_s=DAY.total_seconds(), snapshots=True)
-    f._partitions[JOURNAL_TP] = _Partition(end_at_assign=0)
-    f._partitions[SIDE_TP] = _Partition(end_at_assign=0)
-    MADE.append((f, writer))
-    return f
-
-
-@pytest.fixture(autouse=True)
-async def _close_clients() -> AsyncIterator[None]:
-    yield
-    while MADE:
-        f, writer = MADE.pop()
-        await f.stop()
-        await writer.stop()
+    return unstarted(SETTINGS, "snap.decider", [JOURNAL_TP, SIDE_TP], side=TASKS,
+                     seal_after_s=DAY.total_seconds(), snapshots=True)
 
 
 Record = tuple[TopicPartition, Event]

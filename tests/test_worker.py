@@ -9,7 +9,6 @@ charged once whatever runs it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -20,40 +19,20 @@ from halfway.contract import FinalState
 from halfway.contract.topics import TASKS
 from halfway.core.fold import TaskStatus
 from halfway.journal import membership
-from halfway.journal.follower import JournalFollower, _Partition
-from halfway.journal.writer import JournalWriter
+from halfway.journal.follower import JournalFollower
 from halfway.settings import KafkaSettings
 from tests.factories import Stamper
+from tests.followers import unstarted
 from tests.processes import Cluster, charges_for, renewal_request
 
 pytest_plugins = ["tests.processes"]
 
 SETTINGS = KafkaSettings(bootstrap="127.0.0.1:1", topic_prefix="local.", replication_factor=1)
 JOURNAL_TP = TopicPartition("local.journal", 0)
-MADE: list[tuple[JournalFollower, JournalWriter]] = []
-
-
-@pytest.fixture(autouse=True)
-async def _close_clients() -> AsyncIterator[None]:
-    yield
-    while MADE:
-        f, writer = MADE.pop()
-        await f.stop()
-        await writer.stop()
-
-
 def follower(applied_to: int) -> JournalFollower:
     """A follower (never started) whose journal partition 0 is caught up to `applied_to`."""
-    async def nothing(_tasks: set[str]) -> None:
-        return None
-
-    writer = JournalWriter(SETTINGS)
-    f = JournalFollower(SETTINGS, group="local.decider", writer=writer, on_change=nothing,
-                        side=TASKS)
-    f._partitions[JOURNAL_TP] = _Partition(end_at_assign=0, applied_to=applied_to,
-                                           caught_up=True)
-    MADE.append((f, writer))
-    return f
+    return unstarted(SETTINGS, "local.decider", [JOURNAL_TP], side=TASKS,
+                     applied_to=applied_to, caught_up=True)
 
 
 async def test_an_own_append_is_folded_at_once_only_in_log_order() -> None:

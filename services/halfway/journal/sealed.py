@@ -103,9 +103,10 @@ class SealedTasks:
             values.byteswap()
         return values.tobytes()
 
-    def restore(self, partition: int, packed: bytes) -> None:
-        """The partition's sealed tasks from `packed` (raises ValueError if not such bytes)."""
-        self._sorted[partition] = unpack(packed)
+    def restore(self, partition: int, packed: bytes, *, checked: bool = False) -> None:
+        """The partition's sealed tasks from `packed` (raises ValueError if not such bytes;
+        `checked`: `unpack` has vouched for them already)."""
+        self._sorted[partition] = unpack(packed, check=not checked)
         self._recent.pop(partition, None)
 
     def _merge(self, partition: int) -> None:
@@ -120,7 +121,7 @@ class SealedTasks:
                                                      *new]))
 
 
-def unpack(packed: bytes) -> array[int]:
+def unpack(packed: bytes, *, check: bool = True) -> array[int]:
     """`SealedTasks.packed` bytes back into an array. Raises ValueError if they are not."""
     if len(packed) % 8:
         raise ValueError(f"{len(packed)} bytes are not 64-bit values")
@@ -128,6 +129,6 @@ def unpack(packed: bytes) -> array[int]:
     values.frombytes(packed)
     if sys.byteorder != "little":
         values.byteswap()
-    if values != array("Q", sorted(values)):  # (sorted input sorts in one pass)
+    if check and values != array("Q", sorted(values)):  # (sorted input sorts in one pass)
         raise ValueError("sealed digests are not in ascending order")
     return values
