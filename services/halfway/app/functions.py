@@ -24,11 +24,11 @@ import asyncio
 import inspect
 import json
 import socket
+import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-import httpx
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
@@ -65,15 +65,51 @@ class Refused(Exception):
 
 
 # aiohttp's connector error includes its DNS failure (ClientConnectorDNSError) and refused
-# connections; its connection-pool wait timing out is ConnectionTimeoutError.
-NEVER_SENT: tuple[type[BaseException], ...] = (
-    ConnectionRefusedError, socket.gaierror, httpx.ConnectError, httpx.ConnectTimeout,
-    httpx.PoolTimeout, httpx.UnsupportedProtocol, aiohttp.ClientConnectorError,
-    aiohttp.ConnectionTimeoutError, aiohttp.InvalidURL)
-CONNECTION_LOST: tuple[type[BaseException], ...] = (
-    ConnectionResetError, BrokenPipeError, ConnectionAbortedError, httpx.RemoteProtocolError,
-    httpx.ReadError, httpx.WriteError, aiohttp.ServerDisconnectedError,
-    aiohttp.ClientPayloadError)
+# connections; its connection-pool wait timing out is ConnectionTimeoutError. The HTTP
+# libraries' classes are looked up only once the library is loaded (an exception of theirs
+# means it is): a process that never uses one does not pay for importing it.
+_NEVER_SENT_OS: tuple[type[BaseException], ...] = (ConnectionRefusedError, socket.gaierror)
+_CONNECTION_LOST_OS: tuple[type[BaseException], ...] = (
+    ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
+
+
+@dataclass(frozen=True)
+class _HttpErrors:
+    never_sent: tuple[type[BaseException], ...] = _NEVER_SENT_OS
+    connection_lost: tuple[type[BaseException], ...] = _CONNECTION_LOST_OS
+    timed_out: tuple[type[BaseException], ...] = (TimeoutError,)
+    httpx_status: tuple[type[BaseException], ...] = ()
+    aiohttp_status: tuple[type[BaseException], ...] = ()
+
+
+_known: dict[tuple[bool, bool], _HttpErrors] = {}
+
+
+def _http_errors() -> _HttpErrors:
+    loaded = ("httpx" in sys.modules, "aiohttp" in sys.modules)
+    if (known := _known.get(loaded)) is not None:
+        return known
+    never_sent, lost, timed_out = [*_NEVER_SENT_OS], [*_CONNECTION_LOST_OS], [TimeoutError]
+    httpx_status: list[type[BaseException]] = []
+    aiohttp_status: list[type[BaseException]] = []
+    if loaded[0]:
+        import httpx
+
+        never_sent += [httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout,
+                       httpx.UnsupportedProtocol]
+        lost += [httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError]
+        timed_out.append(httpx.TimeoutException)
+        httpx_status.append(httpx.HTTPStatusError)
+    if loaded[1]:
+        import aiohttp
+
+        never_sent += [aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError,
+                       aiohttp.InvalidURL]
+        lost += [aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError]
+        aiohttp_status.append(aiohttp.ClientResponseError)  # its raise_for_status()
+    known = _known[loaded] = _HttpErrors(tuple(never_sent), tuple(lost), tuple(timed_out),
+                                         tuple(httpx_status), tuple(aiohttp_status))
+    return known
 
 
 def failure_of(exc: BaseException, timeout_s: float) -> CallFailure:
@@ -84,22 +120,24 @@ def failure_of(exc: BaseException, timeout_s: float) -> CallFailure:
         words = type(exc).__name__
     if isinstance(exc, Refused):
         return ToolRefused(exc.reason[:ERROR_CHARS_MAX])
-    if isinstance(exc, NEVER_SENT):
+    errors = _http_errors()
+    if isinstance(exc, errors.never_sent):
         return NotSent(words)
-    if isinstance(exc, TimeoutError | httpx.TimeoutException):
+    if isinstance(exc, errors.timed_out):
         return TimedOut(timeout_s)
-    if isinstance(exc, CONNECTION_LOST):
+    if isinstance(exc, errors.connection_lost):
         return ConnectionLost(words)
-    if isinstance(exc, httpx.HTTPStatusError):
-        response = exc.response
+    if isinstance(exc, errors.httpx_status):
+        response = exc.response  # type: ignore[attr-defined]
         try:
             error = response.json()["error"]
             return Replied(response.status_code, code=error.get("code") or error.get("type"),
                            message=str(error.get("message") or "")[:ERROR_CHARS_MAX])
         except Exception:
             return Replied(response.status_code, message=response.text[:ERROR_CHARS_MAX])
-    if isinstance(exc, aiohttp.ClientResponseError):  # aiohttp's raise_for_status()
-        return Replied(exc.status, message=str(exc.message)[:ERROR_CHARS_MAX])
+    if isinstance(exc, errors.aiohttp_status):
+        return Replied(exc.status,  # type: ignore[attr-defined]
+                       message=str(exc.message)[:ERROR_CHARS_MAX])  # type: ignore[attr-defined]
     return Unexpected(words)
 
 

@@ -309,6 +309,7 @@ async def read(settings: KafkaSettings, group: str, partition: int, pointer: Poi
     limits = fetch_limits()
     consumer = AIOKafkaConsumer(
         **settings.client(), group_id=None, enable_auto_commit=False,
+        check_crcs=False,  # the image's sha256 is checked against the pointer
         max_partition_fetch_bytes=max(READ_FETCH_BYTES, limits["max_partition_fetch_bytes"]),
         fetch_max_bytes=max(READ_FETCH_BYTES, limits["fetch_max_bytes"]))
     await consumer.start()
