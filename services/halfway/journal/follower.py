@@ -93,6 +93,9 @@ GC_FREEZE_EVERY_RECORDS = 100_000
 # few hundred bytes a record instead of its folded objects.
 DORMANT_AFTER_S = 60.0
 _DORMANT_AFTER = timedelta(seconds=DORMANT_AFTER_S)
+# Tasks a service acts on at once, of one batch's changed tasks (each act is one task's: its
+# own state, its own writes).
+ACTS_AT_ONCE_MAX = 64
 # How long one fetch waits when the journal is quiet (a `touch` ends the wait at once).
 IDLE_FETCH_MS = 100
 # A task whose act failed is tried again after RETRY_S_MIN, doubling up to RETRY_S_MAX; after
@@ -352,16 +355,17 @@ class JournalFollower:
 
     async def for_each(self, task_ids: Iterable[str],
                        act: Callable[[str], Awaitable[None]]) -> None:
-        """`act` on each task, one after another; a task whose act raises is logged and tried
-        again later (bounded backoff), and never stops the others."""
-        for task_id in task_ids:
+        """`act` on each task, up to ACTS_AT_ONCE_MAX at once (one task's act never waits on
+        another's journal write); a task whose act raises is logged and tried again later
+        (bounded backoff), and never stops the others."""
+        async def one(task_id: str) -> None:
             if not any(task_id in p.tasks for p in self._partitions.values()):
-                continue  # revoked while earlier tasks of the batch were acted on
+                return  # revoked while other tasks of the batch were acted on
             if self._write_pending(task_id):
                 # The service wrote for this task after the batch was read (a move that ran
-                # meanwhile): acting on the older state would undo what it just decided. It is
-                # reported again once its write is folded (note_write marked it).
-                continue
+                # meanwhile): acting on the older state would undo what it just decided. It
+                # is reported again once its write is folded (note_write marked it).
+                return
             try:
                 await act(task_id)
             except asyncio.CancelledError:
@@ -370,6 +374,10 @@ class JournalFollower:
                 await self._failed(task_id, exc)
             else:
                 self._failures.pop(task_id, None)
+
+        ids = list(task_ids)
+        for start in range(0, len(ids), ACTS_AT_ONCE_MAX):
+            await asyncio.gather(*(one(t) for t in ids[start:start + ACTS_AT_ONCE_MAX]))
 
     async def applied(self, partition: int, offset: int, timeout_s: float) -> bool:
         """Wait until the journal partition's record at `offset` is folded. False if the
