@@ -9,6 +9,7 @@ charged once whatever runs it.
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -102,3 +103,49 @@ async def test_a_worker_runs_tasks_and_mixes_with_a_separate_executor(core: Clus
     charges = await core.ledger()
     for task_id in [*first, *more]:
         assert len(charges_for(charges, f"{task_id}:1")) == 1, task_id
+
+
+async def test_a_move_that_keeps_failing_rests_longer_each_time_and_never_spins(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup whose arguments no longer parse fails at once, every time: the effect rests
+    (busy, not tried) for a growing while instead of being tried again at once."""
+    from types import SimpleNamespace
+
+    from halfway.journal import steps
+
+    monkeypatch.setattr(steps, "MOVE_RETRY_S_MIN", 0.05)
+    touched: list[str] = []
+    woken = asyncio.Event()
+
+    def touch(task_id: str) -> None:
+        touched.append(task_id)
+        woken.set()
+
+    worker = steps.StepWorker()
+    worker.follower = SimpleNamespace(touch=touch)  # type: ignore[assignment]
+    effect = SimpleNamespace(move_id="t-1:1", task_id="t-1")
+
+    async def failing() -> None:
+        raise steps.MoveFailed
+
+    rests = []
+    for _ in range(3):
+        woken.clear()
+        worker.start_move(effect, failing())  # type: ignore[arg-type]
+        await asyncio.sleep(0)  # the move runs and fails
+        await asyncio.sleep(0)
+        assert worker.busy(effect)  # resting: a change of the task does not start it again
+        assert not touched or touched[-1] == "t-1"
+        rests.append(worker._resting["t-1:1"][0])
+        await asyncio.wait_for(woken.wait(), 5)  # looked at again once the rest is over
+        assert not worker.busy(effect)
+    assert rests == [1, 2, 3]  # failures in a row, each resting twice as long
+
+    async def succeeding() -> None:
+        return None
+
+    worker.start_move(effect, succeeding())  # type: ignore[arg-type]
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert "t-1:1" not in worker._resting
+    assert not worker.busy(effect)

@@ -54,7 +54,7 @@ from halfway.core.next_action import (
 from halfway.journal import JournalWriter
 from halfway.journal.follower import JournalFollower
 from halfway.journal.records import stamp
-from halfway.journal.steps import StepWorker
+from halfway.journal.steps import MoveFailed, StepWorker
 from halfway.settings import KafkaSettings
 from halfway.tools.registry import Registry, Tool
 from halfway.tools.spec import CallContext, Succeeded
@@ -136,8 +136,9 @@ class Executor(StepWorker):
                     await self._perform(effect, tool, action)
             except Exception:
                 # The journal is unchanged by a move that failed before its write; the effect
-                # is considered again at the next change and the move is retried.
+                # is considered again after a rest and the move is retried.
                 self._log.exception("move failed", action=type(action).__name__)
+                raise MoveFailed from None
 
     async def _perform(self, effect: Effect, tool: Tool | None, action: Action) -> None:
         task_id = effect.task_id

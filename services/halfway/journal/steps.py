@@ -9,12 +9,25 @@ are theirs.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable
 from datetime import datetime
 
 from halfway import log
 from halfway.core.effects import Effect
 from halfway.journal.follower import JournalFollower
+
+# A move that failed is tried again after MOVE_RETRY_S_MIN, doubling up to MOVE_RETRY_S_MAX
+# while it keeps failing (a lookup whose arguments no longer parse fails at once, every time:
+# retried at the next change, it would spin). At most RESTING_MAX effects are remembered
+# resting; past that the oldest is forgotten (and may be tried again sooner).
+MOVE_RETRY_S_MIN = 0.5
+MOVE_RETRY_S_MAX = 60.0
+RESTING_MAX = 10_000
+
+
+class MoveFailed(Exception):
+    """A move that failed and has said why in the log: it is tried again after a rest."""
 
 
 class StepWorker:
@@ -23,6 +36,8 @@ class StepWorker:
     def __init__(self) -> None:
         self._moves: dict[str, asyncio.Task[None]] = {}  # effect's move id -> the move
         self._timers: dict[str, asyncio.TimerHandle] = {}
+        # Effects whose last moves failed: move id -> (failures in a row, resting until).
+        self._resting: dict[str, tuple[int, float]] = {}
 
     async def run(self) -> None:
         await self.follower.start()
@@ -36,21 +51,45 @@ class StepWorker:
             await self.follower.stop()
 
     def busy(self, effect: Effect) -> bool:
-        return effect.move_id in self._moves
+        """A move of the effect is running, or resting after a failure."""
+        if effect.move_id in self._moves:
+            return True
+        resting = self._resting.get(effect.move_id)
+        return resting is not None and time.monotonic() < resting[1]
 
     def start_move(self, effect: Effect, move: Awaitable[None]) -> None:
-        """Run `move` for the effect; when it ends, the effect's task is looked at again."""
+        """Run `move` for the effect; when it ends, the effect's task is looked at again (at
+        once, or after a rest that grows while its moves keep failing)."""
         async def run_then_release() -> None:
+            failed = True
             try:
                 await move
+                failed = False
+            except MoveFailed:
+                pass
             except Exception:
                 # Nothing was journaled past the failure; the effect is looked at again below.
                 log.get("halfway.steps").exception("move failed", move=effect.move_id)
             finally:
                 del self._moves[effect.move_id]
-                self.follower.touch(effect.task_id)
+                if failed:
+                    self._rest(effect)
+                else:
+                    self._resting.pop(effect.move_id, None)
+                    self.follower.touch(effect.task_id)
 
         self._moves[effect.move_id] = asyncio.create_task(run_then_release())
+
+    def _rest(self, effect: Effect) -> None:
+        failures = self._resting.pop(effect.move_id, (0, 0.0))[0] + 1
+        delay_s = min(MOVE_RETRY_S_MAX, MOVE_RETRY_S_MIN * 2 ** min(failures - 1, 16))
+        while len(self._resting) >= RESTING_MAX:
+            del self._resting[next(iter(self._resting))]
+        self._resting[effect.move_id] = (failures, time.monotonic() + delay_s)
+        if (old := self._timers.pop(effect.move_id, None)) is not None:
+            old.cancel()
+        self._timers[effect.move_id] = asyncio.get_running_loop().call_later(
+            delay_s, self.follower.touch, effect.task_id)
 
     def wake_at(self, effect: Effect, until: datetime, now: datetime) -> None:
         """Look at the effect's task again at `until` (one timer per effect)."""

@@ -58,7 +58,7 @@ from halfway.journal import JournalWriter
 from halfway.journal.deadletters import send_dead_letter
 from halfway.journal.follower import HeldWebhook, JournalFollower
 from halfway.journal.records import stamp
-from halfway.journal.steps import StepWorker
+from halfway.journal.steps import MoveFailed, StepWorker
 from halfway.settings import KafkaSettings
 from halfway.tools.registry import Registry, Tool
 from halfway.tools.spec import CallContext, Found
@@ -209,7 +209,8 @@ class Reconciler(StepWorker):
                     found = await tool.adapter.lookup(args, ctx)
                     await self._record_lookup(effect, tool, found)
             except Exception:
-                self._log.exception("lookup failed; it is tried again at the next change")
+                self._log.exception("lookup failed; it is tried again after a rest")
+                raise MoveFailed from None
 
     async def _record_lookup(self, effect: Effect, tool: Tool, found: object) -> None:
         task_id = effect.task_id

@@ -98,6 +98,10 @@ def verify(payload: bytes, headers: Mapping[str, str], secrets: Sequence[str]) -
     if any(len(value) > HEADER_CHARS_MAX for value in picked.values()):
         raise SignatureError("garbled", f"garbled Standard Webhooks header: longer than "
                              f"{HEADER_CHARS_MAX} characters")
+    if not any("," in entry for entry in picked[SIGNATURE_HEADER].split(" ")):
+        # Not one `version,base64` entry. Said here, not by the library: its versions differ
+        # (1.1 raises on such an entry, 1.3 skips it and finds no match).
+        raise _refusal(ValueError("no version,signature entry"))
     refusal: SignatureError | None = None
     for secret in secrets:
         try:
