@@ -65,6 +65,9 @@ class StepWorker:
             try:
                 await move
                 failed = False
+            except asyncio.CancelledError:
+                failed = False  # stopping: nothing to rest from
+                raise
             except MoveFailed:
                 pass
             except Exception:
