@@ -129,15 +129,16 @@ async def test_a_move_that_keeps_failing_rests_longer_each_time_and_never_spins(
         raise steps.MoveFailed
 
     rests = []
-    for _ in range(3):
+    for i in range(3):
         woken.clear()
         worker.start_move(effect, failing())  # type: ignore[arg-type]
         await asyncio.sleep(0)  # the move runs and fails
         await asyncio.sleep(0)
         assert worker.busy(effect)  # resting: a change of the task does not start it again
-        assert not touched or touched[-1] == "t-1"
+        assert touched == ["t-1"] * i  # not looked at again at once (that was the spin)
         rests.append(worker._resting["t-1:1"][0])
         await asyncio.wait_for(woken.wait(), 5)  # looked at again once the rest is over
+        assert touched == ["t-1"] * (i + 1)
         assert not worker.busy(effect)
     assert rests == [1, 2, 3]  # failures in a row, each resting twice as long
 

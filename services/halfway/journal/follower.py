@@ -872,7 +872,7 @@ class JournalFollower:
         if part is None:
             return None
         # Tasks over and settled for good go in as dormant (a restore does not fold them).
-        quiet = {t for t in part.tasks if t in self._history and t not in self.sealed
+        quiet = {t for t in part.tasks if t in self._history and not self.sealed.has(number, t)
                  and settled_for_good(dict.__getitem__(self.states, t))}
         events = sorted((item for task_id in part.tasks if task_id not in quiet
                          for item in self._history.get(task_id, ())), key=lambda item: item[0])

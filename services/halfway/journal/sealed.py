@@ -63,7 +63,8 @@ class SealedTasks:
         d = digest(task_id)
         numbers = self._sorted.keys() | self._recent.keys() if partition is None else (partition,)
         for number in numbers:
-            if (status := self._recent.get(number, {}).get(d)) is not None:
+            recent = self._recent.get(number)
+            if recent is not None and (status := recent.get(d)) is not None:
                 return status
             values = self._sorted.get(number, _EMPTY)
             i = bisect_left(values, d)
