@@ -263,3 +263,16 @@ def test_status_line_format() -> None:
     assert line == "kafka: started in 4.12 s (pid=7 bootstrap=127.0.0.1:19092)"
     assert parse(line)["kafka"] == ("started", {"pid": "7", "bootstrap": "127.0.0.1:19092"})
     assert ComponentStatus("postgres", "stopped").line() == "postgres: stopped"
+
+
+def test_a_new_cluster_id_is_never_read_as_an_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The storage tool takes `--cluster-id ID`: an id starting with "-" (one in 64 of the
+    base64 ids) failed a fresh machine's format. Such a draw is drawn again, as Kafka does."""
+    import uuid as uuid_module
+
+    from halfway.infra import kafka
+
+    draws = iter([b"\xf8" + bytes(15), b"\x01" * 16])  # "+A..." -> "-A..." in URL-safe base64
+    monkeypatch.setattr(kafka.uuid, "uuid4",
+                        lambda: uuid_module.UUID(bytes=next(draws)))
+    assert kafka.new_cluster_id() == "AQEBAQEBAQEBAQEBAQEBAQ"  # the second draw

@@ -364,8 +364,13 @@ def ensure_libs(lay: Layout) -> float | None:
 
 
 def new_cluster_id() -> str:
-    """What `StorageTool random-uuid` prints: a type-4 UUID as 22 URL-safe base64 characters."""
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+    """What `StorageTool random-uuid` prints: a type-4 UUID as 22 URL-safe base64 characters,
+    never starting with "-" (Kafka's `Uuid.randomUuid` draws again: the storage tool's
+    `--cluster-id -x...` would read it as an option; one fresh machine in 64 failed to format)."""
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+        if not cluster_id.startswith("-"):
+            return cluster_id
 
 
 # What `StorageTool format` itself writes: a data folder holding only these was never finished.
