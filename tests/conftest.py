@@ -45,6 +45,17 @@ async def topics(kafka_settings: KafkaSettings) -> AsyncIterator[KafkaSettings]:
     await delete_topics(kafka_settings, ALL_TOPICS)  # a shared dev broker does not fill up
 
 
+@pytest.fixture
+async def own_deployment(kafka_settings: KafkaSettings) -> AsyncIterator[KafkaSettings]:
+    """Every topic under a prefix of this test's own. For tests that run whole services: a
+    decider or executor acts on every task it sees, and on the session's shared topics it would
+    act on other tests' tasks (and they on its)."""
+    settings = kafka_settings.with_prefix(f"own-{uuid.uuid4().hex[:8]}.")
+    await ensure_topics(settings, ALL_TOPICS)
+    yield settings
+    await delete_topics(settings, ALL_TOPICS)
+
+
 @pytest.fixture(scope="session")
 async def writer(topics: KafkaSettings) -> AsyncIterator[JournalWriter]:
     async with JournalWriter(topics) as w:

@@ -164,3 +164,25 @@ async def test_an_attempt_paused_past_the_send_window_is_never_sent() -> None:
     assert provider.sent == []
     # Another executor may have sent this attempt with the key: nothing is claimed about it.
     assert fold(writer.events).step(1).effect.settlement is None
+
+
+async def test_executors_that_lack_a_tool_say_so_once_and_do_not_answer_each_other() -> None:
+    """The journal keeps a step's latest `step.unserved`. Two executors of apps that both lack
+    the tool each see the other's record as the latest: without a memory of what they said
+    themselves they would answer each other for ever (a hot loop that fills the journal)."""
+    s = Stamper("mail-1")
+    log = [s.started(), s.intended(1, tool="hold_flight", args={"to": "a@b.c"})]
+    executors = []
+    for app in ("flights@1", "hotels@2"):
+        ex = Executor(SETTINGS, Registry([]), Writer(log), app_label=app)  # type: ignore[arg-type]
+        UNUSED.append(ex.follower)
+        ex.follower = Follower(log)  # type: ignore[assignment]
+        executors.append(ex)
+    for _ in range(5):  # every write is a change each executor looks at again
+        for ex in executors:
+            ex.follower.states = {"mail-1": fold(log)}  # type: ignore[misc]
+            await ex._advance("mail-1", s.now)
+            await asyncio.gather(*ex._moves.values())
+    said = [(e.app, e.undo) for e in log if e.type == "step.unserved"]
+    assert said == [("flights@1", False), ("hotels@2", False)]
+    assert fold(log).step(1).unserved.app == "hotels@2"  # type: ignore[union-attr]

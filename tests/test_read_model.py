@@ -17,18 +17,18 @@ pytestmark = pytest.mark.broker
 
 
 async def test_after_the_demos_the_read_model_equals_a_fresh_replay(
-        topics: KafkaSettings, pg, schema: str,  # noqa: F811
+        own_deployment: KafkaSettings, pg, schema: str,  # noqa: F811
         monkeypatch: pytest.MonkeyPatch) -> None:
     # The demo runs its own projector into the read model named by HALFWAY_PG_SCHEMA.
     monkeypatch.setenv("HALFWAY_PG_SCHEMA", schema)
-    ours, naive = await renewal.run(topics)
+    ours, naive = await renewal.run(own_deployment)
     assert (ours.charges, naive.charges) == (1, 2)
     assert ours.read_model_state == "succeeded"
 
-    trips = await trip.run(topics)
+    trips = await trip.run(own_deployment)
     assert trip.verdict_ok(trips), trip.as_text(trips)
 
-    report = await rebuild(topics, env.pg_dsn(), check_only=True, live=schema)
+    report = await rebuild(own_deployment, env.pg_dsn(), check_only=True, live=schema)
     assert report.live_existed
     assert report.equal, "\n".join(report.lines())
 

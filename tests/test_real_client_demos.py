@@ -15,10 +15,10 @@ pytestmark = pytest.mark.broker
 
 
 async def test_the_renewal_through_the_stripe_client(
-        topics: KafkaSettings, pg, schema: str,  # noqa: F811
+        own_deployment: KafkaSettings, pg, schema: str,  # noqa: F811
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HALFWAY_PG_SCHEMA", schema)
-    ours, naive = await renewal.run(topics, stripe=True)
+    ours, naive = await renewal.run(own_deployment, stripe=True)
     assert (ours.charges, naive.charges) == (1, 2)
     assert ours.read_model_state == "succeeded"
     assert renewal.verdict_ok(ours)
@@ -26,10 +26,10 @@ async def test_the_renewal_through_the_stripe_client(
 
 
 async def test_the_trip_with_its_email_over_smtp(
-        topics: KafkaSettings, pg, schema: str,  # noqa: F811
+        own_deployment: KafkaSettings, pg, schema: str,  # noqa: F811
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HALFWAY_PG_SCHEMA", schema)
-    trips = await trip.run(topics, email="smtp")
+    trips = await trip.run(own_deployment, email="smtp")
     assert trip.verdict_ok(trips), trip.as_text(trips)
     emails = trips.ledger["emails"]
     assert len(emails) == 1  # only the trip that went through sends its itinerary

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from datetime import UTC, datetime
 
 from aiokafka.structs import RecordMetadata
@@ -64,6 +65,11 @@ CALLS_IN_FLIGHT_MAX = 1000
 TIMEOUT_GRACE_S = 2.0
 # How long an unkeyed attempt waits for its own record to be read back (then it is not sent).
 CONFIRM_TIMEOUT_S = 10.0
+# Moves this executor has said it does not serve, remembered (oldest forgotten first) so that
+# saying it is never news to itself: the journal keeps only a step's latest `step.unserved`,
+# and two sayers (a step and its undo, or executors of two apps) would otherwise answer each
+# other's records forever.
+UNSERVED_SAID_MAX = 10_000
 
 
 class Executor(StepWorker):
@@ -78,6 +84,7 @@ class Executor(StepWorker):
                                         on_change=self._on_change, app_label=app_label,
                                         seal_after_s=env.seal_after_s(), snapshots=True)
         self._slots = asyncio.Semaphore(CALLS_IN_FLIGHT_MAX)
+        self._unserved_said: OrderedDict[str, None] = OrderedDict()
         self._log = log.get("halfway.executor")
 
     async def _on_change(self, task_ids: set[str]) -> None:
@@ -116,7 +123,9 @@ class Executor(StepWorker):
         step = None if state is None else state.step(parse_step_id(effect.step_id)[1])
         if step is not None and step.unserved is not None and \
                 step.unserved.app == self.app_label and step.unserved.undo == effect.undo:
-            return  # already said
+            return  # already said, before a restart too
+        if effect.move_id in self._unserved_said:
+            return  # said by this process; the journal's latest word may be another's
         self._log.error("no executor here serves this tool; the effect waits",
                         move=effect.move_id, tool=effect.tool, app=self.app_label)
         self.start_move(effect, self._write_unserved(effect))
@@ -125,6 +134,9 @@ class Executor(StepWorker):
         await self._write(StepUnserved(**stamp(effect.task_id), step_id=effect.step_id,
                                        tool=effect.tool[:200], app=self.app_label[:200],
                                        undo=effect.undo))
+        self._unserved_said[effect.move_id] = None  # before the move ends: still busy here
+        if len(self._unserved_said) > UNSERVED_SAID_MAX:
+            self._unserved_said.popitem(last=False)
 
     async def _move(self, effect: Effect, tool: Tool | None, action: Action) -> None:
         with log.bound(task_id=effect.task_id, step_id=effect.step_id, undo=effect.undo), \
