@@ -188,7 +188,7 @@ def logged(path: Path, event: str) -> list[dict]:
 def snapshotted(log_path: Path) -> set[int]:
     """The partitions that have a snapshot now: written by this process, or restored."""
     written = {e.get("partition") for e in logged(log_path, "snapshot written")}
-    restored = {p for e in logged(log_path, "partitions assigned") for p in e.get("restored", [])}
+    restored = {e.get("partition") for e in logged(log_path, "partition restored")}
     return written | restored
 
 

@@ -11,6 +11,7 @@ with is refused and the partition replayed.
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -174,6 +175,58 @@ async def test_a_damaged_image_is_refused_with_a_reason(damage: Any) -> None:
         snapshots.decode(damage(snapshots.encode(image)))
 
 
+def format_4(image: snapshots.Image, version: int = 4) -> bytes:
+    """The image as the build before this one wrote it (the dormant and ended tasks' index
+    as JSON lists in the header)."""
+    import json
+    import zlib
+
+    dormant = [*image.dormant, *(snapshots.Dormant.of(*q) for q in image.quiet)]
+    header = {"v": version, "partition": image.partition, "journal_next": image.journal_next,
+              "side_next": image.side_next, "offsets": [o for o, _ in image.events],
+              "ended": [[at.isoformat(), task_id] for at, task_id in image.ended],
+              "dormant": [[d.task_id, d.status, d.offsets, d.first_attempts, len(d.payload)]
+                          for d in dormant]}
+    packed = snapshots._framed([json.dumps(header).encode(),
+                                snapshots._EVENTS.dump_json([e for _, e in image.events]),
+                                snapshots._REQUESTS.dump_json(image.requests)])
+    return snapshots.MAGIC + snapshots._framed([zlib.compress(packed),
+                                                b"".join(d.payload for d in dormant),
+                                                image.sealed])
+
+
+async def test_an_image_of_the_format_before_is_read_the_same_and_rewritten_soon() -> None:
+    """After an upgrade a restart reads the images the old build wrote (no replay from zero),
+    and the partition is due for a snapshot in this build's format as soon as it caught up."""
+    records = [*task_records("running", "live-1", BASE), *task_records("done", "old-1", BASE),
+               *task_records("done", "new-1", BASE + 3 * DAY),
+               *task_records("rejected", "no-1", BASE + 3 * DAY)]
+    f = follower()
+    feed(f, records, {JOURNAL_TP: 0, SIDE_TP: 0})
+    image = f.image(0)
+    assert image is not None
+    assert image.quiet
+    assert image.ended
+    old, new = snapshots.decode(format_4(image)), snapshots.decode(snapshots.encode(image))
+    assert (old.format, new.format) == (4, snapshots.FORMAT)
+    for field in ("partition", "journal_next", "side_next", "events", "requests", "sealed",
+                  "ended"):
+        assert getattr(old, field) == getattr(new, field), field
+    assert [(d.task_id, d.status, list(d.offsets), [tuple(p) for p in d.first_attempts],
+             d.payload) for d in old.dormant] == [
+        (d.task_id, d.status, list(d.offsets), [tuple(p) for p in d.first_attempts], d.payload)
+        for d in new.dormant]
+
+    restored, current = follower(), follower()
+    await restored._restore(JOURNAL_TP, old, restored._partitions)
+    await current._restore(JOURNAL_TP, new, current._partitions)
+    assert view(restored) == view(current)
+    assert restored._partitions[JOURNAL_TP].since_snapshot >= snapshots.EVERY_RECORDS
+    assert current._partitions[JOURNAL_TP].since_snapshot == 0
+    with pytest.raises(snapshots.UnusableSnapshot, match="format 3"):
+        snapshots.decode(format_4(image, version=3))
+
+
 def test_an_unreadable_pointer_is_refused() -> None:
     with pytest.raises(snapshots.UnusableSnapshot):
         snapshots.Pointer.parse('{"v": 99}')
@@ -255,7 +308,14 @@ async def test_a_restarted_decider_restores_its_snapshot_and_acts_the_same(core:
     states = await core.journal.until_finished(after)
 
     written = {e["partition"] for e in first.logged("snapshot written")}
-    assert set(assigned["restored"]) == written  # every partition with a snapshot restored it
+    assert set(assigned["loading"]) == set(assigned["partitions"])  # all: each may have one
+    served = await second.until_logged("partition restored", count=len(written))
+    # Every partition with a snapshot restored it; the others were read from zero.
+    assert {e["partition"] for e in served} == written
+    unwritten = set(assigned["partitions"]) - written
+    if unwritten:
+        zero = await second.until_logged("partition read from zero", count=len(unwritten))
+        assert {e["partition"] for e in zero} == unwritten
     assert all(s.final_state is FinalState.SUCCEEDED for s in states.values())
     asked = [c["task_id"] for c in core.model_calls()[asked_before:]]
     assert not set(asked) & set(before), "a task finished before the restart was asked again"
@@ -279,3 +339,116 @@ async def test_a_task_over_for_a_minute_is_kept_as_bytes_and_comes_back_whole() 
     assert f.states["done-1"] == whole  # asked for: decoded and folded again, the same
     assert "done-1" not in f.dormant
     assert f.requests["done-1"].task_id == "done-1"
+
+
+# -- restoring partitions one by one ---------------------------------------------------------
+
+
+class FakeKafka:
+    """What `_adopt` and the loader ask of the consumer."""
+
+    def __init__(self) -> None:
+        self.paused: set[TopicPartition] = set()
+        self.sought: dict[TopicPartition, int] = {}
+        self.resumed = asyncio.Event()
+
+    async def end_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        return {tp: 100 for tp in tps}
+
+    async def committed(self, tp: TopicPartition) -> int:
+        return 0
+
+    def pause(self, *tps: TopicPartition) -> None:
+        self.paused |= set(tps)
+
+    def resume(self, *tps: TopicPartition) -> None:
+        self.paused -= set(tps)
+        self.resumed.set()
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        self.sought[tp] = offset
+
+
+JOURNAL_1, SIDE_1 = TopicPartition("snap.journal", 1), TopicPartition("snap.tasks", 1)
+
+
+def loading_follower(monkeypatch: pytest.MonkeyPatch) -> tuple[JournalFollower, FakeKafka,
+                                                                asyncio.Queue[Any]]:
+    """A follower with no partitions yet, whose snapshot reads yield what the test puts in
+    the queue, in that order."""
+    f = unstarted(SETTINGS, "snap.decider", [], side=TASKS, seal_after_s=DAY.total_seconds(),
+                  snapshots=True)
+    kafka = FakeKafka()
+    monkeypatch.setattr(f._consumer, "_consumer", kafka)  # the real one back to be closed
+    reads: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def load_each(settings: Any, group: str, tps: list[TopicPartition]) -> Any:
+        for _ in tps:
+            yield await reads.get()
+
+    monkeypatch.setattr(snapshots, "load_each", load_each)
+    return f, kafka, reads
+
+
+def an_image() -> snapshots.Image:
+    f = follower()
+    feed(f, [*task_records("running", "live-1", BASE),
+             *task_records("done", "new-1", BASE + 3 * DAY)], {JOURNAL_TP: 0, SIDE_TP: 0})
+    image = f.image(0)
+    assert image is not None
+    return snapshots.decode(snapshots.encode(image))
+
+
+async def settle(f: JournalFollower) -> None:
+    await asyncio.gather(*f._loaders)
+
+
+async def test_each_partition_is_served_as_soon_as_its_image_is_restored(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    f, kafka, reads = loading_follower(monkeypatch)
+    await f._adopt([JOURNAL_TP, SIDE_TP, JOURNAL_1, SIDE_1])
+    assert kafka.paused == {JOURNAL_TP, SIDE_TP, JOURNAL_1, SIDE_1}
+    assert f._partitions == {}  # nothing is read (or reported) before its state is in
+
+    await reads.put((1, None))  # no usable snapshot: read from zero, at once
+    await kafka.resumed.wait()
+    assert kafka.paused == {JOURNAL_TP, SIDE_TP}
+    assert (kafka.sought[JOURNAL_1], kafka.sought[SIDE_1]) == (0, 0)
+    assert "live-1" not in f.states
+
+    image = an_image()
+    await reads.put((0, image))
+    await settle(f)
+    assert kafka.paused == set()
+    assert (kafka.sought[JOURNAL_TP], kafka.sought[SIDE_TP]) == (image.journal_next,
+                                                                 image.side_next)
+    assert f.owns("live-1")
+    assert f.states["live-1"].status == "running"
+    assert f.restored == {0: image.journal_next}
+
+
+@pytest.mark.parametrize("when", ["while read", "while restored"])
+async def test_a_partition_revoked_while_loading_leaves_nothing_behind(
+        monkeypatch: pytest.MonkeyPatch, when: str) -> None:
+    f, kafka, reads = loading_follower(monkeypatch)
+    restore = f._restore
+
+    async def revoked_meanwhile(tp: TopicPartition, image: Any, parts: Any) -> None:
+        await restore(tp, image, parts)
+        f._forget([JOURNAL_TP, SIDE_TP])  # a rebalance, at one of the restore's awaits
+
+    if when == "while restored":
+        monkeypatch.setattr(f, "_restore", revoked_meanwhile)
+    await f._adopt([JOURNAL_TP, SIDE_TP])
+    if when == "while read":
+        f._forget([JOURNAL_TP, SIDE_TP])
+    await reads.put((0, an_image()))
+    await settle(f)
+    assert f._partitions == {}
+    assert f._loading == {}
+    assert not dict(f.states)
+    assert not f.dormant
+    assert not f.requests
+    assert not f.restored
+    assert len(f.sealed) == 0
+    assert JOURNAL_TP not in kafka.sought

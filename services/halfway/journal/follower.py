@@ -245,6 +245,10 @@ class JournalFollower:
         self._wake = asyncio.Event()  # set by `touch`: the quiet fetch ends at once
         # Partitions adopted while a fetch was under way: (adoption number, start offset).
         self._adoptions = 0
+        # Partitions whose snapshot is being read (paused until restored): number -> their
+        # journal and side partitions' state in the making; the tasks loading them.
+        self._loading: dict[int, dict[TopicPartition, _Partition]] = {}
+        self._loaders: set[asyncio.Task[None]] = set()
         self._since_freeze = 0  # records folded since the last gc.freeze
         self._adopted: dict[TopicPartition, tuple[int, int]] = {}
         self._committed_at_s = 0.0
@@ -319,6 +323,8 @@ class JournalFollower:
             for handle in self._retries.values():
                 handle.cancel()
             self._retries.clear()
+            for loader in list(self._loaders):
+                loader.cancel()
             if self._snapshotting is not None:
                 self._snapshotting.cancel()
                 with contextlib.suppress(BaseException):
@@ -747,43 +753,53 @@ class JournalFollower:
 
     def _forget(self, revoked: list[TopicPartition]) -> None:
         for tp in revoked:
+            loading = self._loading.get(tp.partition)
+            if loading is not None and tp in loading:
+                # Its snapshot is still being read: the loader finds it gone and drops what
+                # it restored.
+                del self._loading[tp.partition]
             part = self._partitions.pop(tp, None)
             if part is None:
                 continue
-            self._paused.discard(tp)
-            self._adopted.pop(tp, None)
-            if tp.topic == self._journal:
-                self._ended.pop(tp.partition, None)
-                self._quieting.pop(tp.partition, None)
-                self.restored.pop(tp.partition, None)
-                self.sealed.drop(tp.partition)
-            if tp.topic != self._journal:
-                for item in self._held.pop(tp.partition, ()):
-                    self._held_tasks[item.hook.task_id or ""] -= 1
-                self._held_tasks = +self._held_tasks  # drop the zeros
-            for task_id in part.tasks:
-                if not any(task_id in p.tasks for p in self._partitions.values()):
-                    state = self.states.pop(task_id, None)
-                    dormant = self.dormant.pop(task_id, None)
-                    for key, _ in (dormant.first_attempts if dormant is not None else ()):
-                        self.first_attempt.pop(key, None)
-                    self.requests.pop(task_id, None)
-                    self._history.pop(task_id, None)
-                    self._weighable.pop(task_id, None)
-                    for step in (state.steps.values() if state is not None else ()):
-                        self.first_attempt.pop(step.intent.key, None)
-                        if step.compensation is not None:
-                            self.first_attempt.pop(step.compensation.key, None)
-                    self._awaiting.pop(task_id, None)
-                    self._ended_last.pop(task_id, None)
-                    self._dirty.discard(task_id)
-                    self._failures.pop(task_id, None)
-                    if (handle := self._retries.pop(task_id, None)) is not None:
-                        handle.cancel()
+            self._drop(tp, part)
         if revoked:
             self._log.info("partitions revoked", partitions=sorted(tp.partition for tp in revoked))
             if self._on_revoke is not None:
                 self._on_revoke({tp.partition for tp in revoked if tp.topic == self._journal})
+
+    def _drop(self, tp: TopicPartition, part: _Partition) -> None:
+        """Forget what a partition no longer ours held (its tasks, unless another owned
+        partition has them too)."""
+        self._paused.discard(tp)
+        self._adopted.pop(tp, None)
+        if tp.topic == self._journal:
+            self._ended.pop(tp.partition, None)
+            self._quieting.pop(tp.partition, None)
+            self.restored.pop(tp.partition, None)
+            self.sealed.drop(tp.partition)
+        if tp.topic != self._journal:
+            for item in self._held.pop(tp.partition, ()):
+                self._held_tasks[item.hook.task_id or ""] -= 1
+            self._held_tasks = +self._held_tasks  # drop the zeros
+        for task_id in part.tasks:
+            if not any(task_id in p.tasks for p in self._partitions.values()):
+                state = self.states.pop(task_id, None)
+                dormant = self.dormant.pop(task_id, None)
+                for key, _ in (dormant.first_attempts if dormant is not None else ()):
+                    self.first_attempt.pop(key, None)
+                self.requests.pop(task_id, None)
+                self._history.pop(task_id, None)
+                self._weighable.pop(task_id, None)
+                for step in (state.steps.values() if state is not None else ()):
+                    self.first_attempt.pop(step.intent.key, None)
+                    if step.compensation is not None:
+                        self.first_attempt.pop(step.compensation.key, None)
+                self._awaiting.pop(task_id, None)
+                self._ended_last.pop(task_id, None)
+                self._dirty.discard(task_id)
+                self._failures.pop(task_id, None)
+                if (handle := self._retries.pop(task_id, None)) is not None:
+                    handle.cancel()
 
     async def _adopt(self, assigned: list[TopicPartition]) -> None:
         kafka = self._consumer.kafka
@@ -792,49 +808,82 @@ class JournalFollower:
             return
         if self._on_assign is not None:
             await self._on_assign({tp.partition for tp in new if tp.topic == self._journal})
-        # The new partitions join `_partitions` only once their state and start are set, with
-        # no await in between: until then `_apply` drops what the consumer fetches for them
-        # (from wherever it starts by itself: the group's committed offset, which points at
-        # the snapshot), and nothing reports them caught up. The seeks below make the consumer
-        # read those records again; a fetch under way meanwhile is sorted out by
-        # `_not_before_adoption`.
         ends = await kafka.end_offsets(new)
         parts = {tp: _Partition(end_at_assign=ends[tp]) for tp in new}
         for tp in new:
             if tp.topic == self._webhooks:
                 parts[tp].noticed_to = await kafka.committed(tp) or 0
-        images = await self._images(new)
-        starts: dict[TopicPartition, int] = {}
-        for tp in new:
-            image = images.get(tp.partition)
-            if image is None:
-                starts[tp] = 0  # replay: the journal is the only state
-            elif tp.topic == self._journal:
-                await self._restore(tp, image, parts)
-                starts[tp] = image.journal_next
-            elif image.side_next is not None:
-                parts[tp].applied_to = image.side_next - 1
-                starts[tp] = image.side_next
-            else:
-                starts[tp] = 0
+        # Partitions that may have a snapshot are paused and restored in the background, each
+        # served as soon as its image is in (a restart acts on one partition's tasks without
+        # waiting for every image); the others are read from zero at once.
+        candidates = self._snapshot_candidates(new)
+        numbers = {tp.partition for tp in candidates}
+        later = {tp: part for tp, part in parts.items() if tp.partition in numbers}
+        for number in numbers:
+            self._loading[number] = {tp: part for tp, part in later.items()
+                                     if tp.partition == number}
+        if later:
+            kafka.pause(*later)
+            loader = asyncio.create_task(self._load(candidates))
+            self._loaders.add(loader)
+            loader.add_done_callback(self._loaders.discard)
+        self._serve({tp: part for tp, part in parts.items() if tp not in later}, {})
+        self._log.info("partitions assigned", partitions=sorted(tp.partition for tp in new),
+                       loading=sorted(numbers))
+
+    def _serve(self, parts: dict[TopicPartition, _Partition],
+               starts: dict[TopicPartition, int]) -> None:
+        """Start reading `parts` (at `starts`, else from zero). They join `_partitions` only
+        now, with no await in between: until then `_apply` drops what the consumer fetched
+        for them (from wherever it started by itself: the group's committed offset, which
+        points at the snapshot), and nothing reports them caught up. The seeks make the
+        consumer read those records again; a fetch under way meanwhile is sorted out by
+        `_not_before_adoption`."""
+        if not parts:
+            return
         self._partitions.update(parts)
         self._adoptions += 1
-        for tp, offset in starts.items():
-            kafka.seek(tp, offset)  # below the log's start, the consumer resets to earliest
+        for tp in parts:
+            offset = starts.get(tp, 0)
+            self._consumer.kafka.seek(tp, offset)  # below the log's start: the earliest
             self._adopted[tp] = (self._adoptions, offset)
-        self._log.info("partitions assigned", partitions=sorted(tp.partition for tp in new),
-                       restored=sorted(images))
 
     # -- snapshots (halfway.journal.snapshots) ---------------------------------------------
 
-    async def _images(self, new: list[TopicPartition]) -> dict[int, snaps.Image]:
-        """Usable snapshots of the journal partitions newly owned whose side partition (if
-        any) is newly owned too: the image covers both."""
+    def _snapshot_candidates(self, new: list[TopicPartition]) -> list[TopicPartition]:
+        """The journal partitions newly owned that may be restored from a snapshot: those
+        whose side partition (if any) is newly owned too, as the image covers both."""
         if not self.snapshots:
-            return {}
-        journal = [tp for tp in new if tp.topic == self._journal
-                   and (self._side is None or TopicPartition(self._side, tp.partition) in new)]
-        return await snaps.load(self._settings, self.group, journal) if journal else {}
+            return []
+        return [tp for tp in new if tp.topic == self._journal
+                and (self._side is None or TopicPartition(self._side, tp.partition) in new)]
+
+    async def _load(self, journal: list[TopicPartition]) -> None:
+        """Restore each partition from its image as it is read (or, without a usable one,
+        read it from zero), then resume it. A partition revoked meanwhile is dropped."""
+        async for number, image in snaps.load_each(self._settings, self.group, journal):
+            parts = self._loading.get(number)
+            if parts is None:
+                continue  # revoked while its image was read
+            tp = TopicPartition(self._journal, number)
+            starts: dict[TopicPartition, int] = {}
+            if image is not None:
+                await self._restore(tp, image, parts)
+                if self._loading.get(number) is not parts:  # revoked while restoring
+                    for revoked_tp, part in parts.items():
+                        self._drop(revoked_tp, part)
+                    continue
+                starts[tp] = image.journal_next
+                side = None if self._side is None else TopicPartition(self._side, number)
+                if side in parts and image.side_next is not None:
+                    parts[side].applied_to = image.side_next - 1
+                    starts[side] = image.side_next
+            del self._loading[number]
+            self._serve(parts, starts)
+            self._consumer.kafka.resume(*parts)
+            self._wake.set()  # a quiet fetch under way ends: the next one reads these too
+            self._log.info("partition restored" if image is not None else
+                           "partition read from zero", partition=number)
 
     async def _restore(self, tp: TopicPartition, image: snaps.Image,
                        parts: dict[TopicPartition, _Partition]) -> None:
@@ -863,6 +912,8 @@ class JournalFollower:
             for at, task_id in image.ended:
                 self._ended_last[task_id] = at
         part.applied_to = image.journal_next - 1
+        if image.format < snaps.FORMAT:  # written by the build before: rewrite it once caught up
+            part.since_snapshot = snaps.EVERY_RECORDS
         self.restored[tp.partition] = image.journal_next
 
     def image(self, number: int) -> snaps.Image | None:

@@ -31,11 +31,14 @@ import hashlib
 import json
 import os
 import struct
+import sys
 import time
 import zlib
-from collections.abc import Sequence
+from array import array
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
+from itertools import accumulate
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -51,7 +54,8 @@ from halfway.journal.sealed import unpack
 from halfway.journal.writer import JournalWriter
 from halfway.settings import KafkaSettings
 
-FORMAT = 4
+FORMAT = 5
+READS = {4, FORMAT}  # an image of the format before is read (and soon rewritten) after an upgrade
 MAGIC = b"halfway-snapshot\n"
 # When a follower writes a partition's snapshot: after this many records applied since the
 # last one, or this long after it with anything applied, or this long after it regardless (so
@@ -80,7 +84,6 @@ _EVENTS = TypeAdapter(list[Event])
 _REQUESTS = TypeAdapter(list[TaskRequested])
 _REQUEST = TypeAdapter(TaskRequested)
 _LEN = struct.Struct(">Q")
-_ENDED = {TaskStatus.FINISHED.value, TaskStatus.REJECTED.value}  # a dormant task's status
 # The preset dictionary of a dormant task's compressed JSON: the contract's own shape of a
 # task's events, values left out (a payload is a few hundred bytes, too short to learn it
 # itself; with it, a task of six events takes about 500). Changing it changes FORMAT.
@@ -155,6 +158,7 @@ class Image:
     ended: list[tuple[datetime, str]] = field(default_factory=list)  # waiting to be sealed
     dormant: list[Dormant] = field(default_factory=list)  # as read, or kept since
     quiet: list[Quiet] = field(default_factory=list)  # dormant since, encoded with the image
+    format: int = FORMAT  # of the bytes it was read from
 
 
 class UnusableSnapshot(Exception):
@@ -162,19 +166,67 @@ class UnusableSnapshot(Exception):
 
 
 def encode(image: Image) -> bytes:
-    """The image's bytes: its header, open tasks and requests compressed; the dormant tasks'
-    payloads (compressed each) and the sealed digests (random) as they are."""
+    """The image's bytes: its header, open tasks, requests and the index of its dormant and
+    ended tasks (binary columns: a restart parses them in a few milliseconds) compressed; the
+    dormant tasks' payloads (compressed each) and the sealed digests (random) as they are."""
     dormant = [*image.dormant, *(Dormant.of(*q) for q in image.quiet)]
     header = {"v": FORMAT, "partition": image.partition, "journal_next": image.journal_next,
               "side_next": image.side_next, "offsets": [o for o, _ in image.events],
-              "ended": [[at.isoformat(), task_id] for at, task_id in image.ended],
-              "dormant": [[d.task_id, d.status, d.offsets, d.first_attempts, len(d.payload)]
-                          for d in dormant]}
+              "dormant": len(dormant), "ended": len(image.ended)}
+    firsts = [pair for d in dormant for pair in d.first_attempts]
+    columns = [
+        _ids(d.task_id for d in dormant),
+        bytes(_STATUS_CODE[d.status] for d in dormant),
+        _le("I", (len(d.offsets) for d in dormant)),
+        _le("q", (o for d in dormant for o in d.offsets)),
+        _le("I", (len(d.first_attempts) for d in dormant)),
+        _ids(key for key, _ in firsts),
+        _le("q", (offset for _, offset in firsts)),
+        _le("I", (len(d.payload) for d in dormant)),
+        _le("q", ((at - _EPOCH) // _MICROSECOND for at, _ in image.ended)),
+        _ids(task_id for _, task_id in image.ended)]
     packed = _framed([json.dumps(header, separators=(",", ":")).encode(),
                       _EVENTS.dump_json([e for _, e in image.events]),
-                      _REQUESTS.dump_json(image.requests)])
+                      _REQUESTS.dump_json(image.requests), *columns])
     return MAGIC + _framed([zlib.compress(packed, COMPRESS_LEVEL),
                             b"".join(d.payload for d in dormant), image.sealed])
+
+
+# The index's columns: ids and keys (ASCII, no newline: the contract's patterns) joined by
+# newlines; numbers as little-endian arrays.
+_STATUSES = (TaskStatus.FINISHED.value, TaskStatus.REJECTED.value)  # a dormant task's status
+_STATUS_CODE = {status: code for code, status in enumerate(_STATUSES)}
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_MICROSECOND = timedelta(microseconds=1)
+_COLUMNS = 10
+
+
+def _ids(items: Iterable[str]) -> bytes:
+    return "\n".join(items).encode("ascii")
+
+
+def _from_ids(raw: bytes, count: int) -> list[str]:
+    out = raw.decode("ascii").split("\n") if count else []
+    if len(out) != count:
+        raise UnusableSnapshot(f"{len(out)} ids where the index says {count}")
+    return out
+
+
+def _le(typecode: str, numbers: Iterable[int]) -> bytes:
+    values = array(typecode, numbers)
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values.tobytes()
+
+
+def _from_le(typecode: str, raw: bytes, count: int | None = None) -> array[int]:
+    values = array(typecode)
+    values.frombytes(raw)  # raises ValueError on a length that is not a multiple
+    if sys.byteorder != "little":
+        values.byteswap()
+    if count is not None and len(values) != count:
+        raise UnusableSnapshot(f"{len(values)} numbers where the index says {count}")
+    return values
 
 
 def _framed(parts: list[bytes]) -> bytes:
@@ -196,45 +248,88 @@ def _unframed(body: bytes, count: int) -> list[bytes]:
 
 def decode(blob: bytes) -> Image:
     """The image's open tasks and requests are validated; dormant tasks' payloads are only cut
-    out (their events are validated if and when they are decoded)."""
+    out (their events are validated if and when they are decoded). Reads this build's format
+    and the one before it (`Image.format` says which: an older one is rewritten soon)."""
     if not blob.startswith(MAGIC):
         raise UnusableSnapshot("not a snapshot (no magic)")
     try:
         packed, payloads, sealed = _unframed(blob[len(MAGIC):], 3)
-        header_json, events_json, requests_json = _unframed(zlib.decompress(packed), 3)
-        header = json.loads(header_json)
-        if header.get("v") != FORMAT:
-            raise UnusableSnapshot(f"format {header.get('v')!r}, this build reads {FORMAT}")
-        events = _EVENTS.validate_json(events_json)
+        unpacked = zlib.decompress(packed)
+        (n,) = _LEN.unpack_from(unpacked)
+        header = json.loads(unpacked[_LEN.size:_LEN.size + n])
+        version = header.get("v")
+        if version not in READS:
+            raise UnusableSnapshot(f"format {version!r}, this build reads {sorted(READS)}")
+        parts = _unframed(unpacked, 3 + (_COLUMNS if version == FORMAT else 0))
+        events = _EVENTS.validate_json(parts[1])
         offsets = header["offsets"]
         if len(offsets) != len(events):
             raise UnusableSnapshot("event offsets and events differ in number")
-        # Dormant tasks are cut out as they are (the digest vouches for what we wrote): a
-        # restart is in a hurry, and their events are validated when decoded.
-        dormant, at = [], 0
-        for task_id, status, task_offsets, firsts, size in header["dormant"]:
-            dormant.append(Dormant(task_id, status, task_offsets, firsts,
-                                   payloads[at:at + size]))
-            at += size
-        if at != len(payloads):
-            raise UnusableSnapshot("dormant tasks' bytes do not add up")
+        if version == FORMAT:
+            dormant, ended = _index(header, parts[3:], payloads)
+        else:
+            dormant, ended = _index_v4(header, payloads)
         if dormant and dormant[0].payload[2:6] != _ZDICT_ID:
             raise UnusableSnapshot("dormant tasks compressed with another dictionary")
         unpack(sealed)  # raises ValueError
-        statuses = {d.status for d in dormant}
-        if not statuses <= _ENDED:
-            raise UnusableSnapshot(f"not how a task ends: {sorted(statuses - _ENDED)[:3]}")
         return Image(
             partition=int(header["partition"]), journal_next=int(header["journal_next"]),
             side_next=None if header["side_next"] is None else int(header["side_next"]),
             events=list(zip(offsets, events, strict=True)),
-            requests=_REQUESTS.validate_json(requests_json), sealed=sealed,
-            ended=[(datetime.fromisoformat(at), str(t)) for at, t in header["ended"]],
-            dormant=dormant)
+            requests=_REQUESTS.validate_json(parts[2]), sealed=sealed, ended=ended,
+            dormant=dormant, format=int(version))
     except UnusableSnapshot:
         raise
     except Exception as exc:  # zlib, struct, JSON or validation: a corrupt image
         raise UnusableSnapshot(f"corrupt image: {type(exc).__name__}: {str(exc)[:300]}") from exc
+
+
+def _index(header: dict[str, Any], columns: list[bytes],
+           payloads: bytes) -> tuple[list[Dormant], list[tuple[datetime, str]]]:
+    """Dormant and ended tasks from the index's columns (format 5)."""
+    (ids, statuses, counts, offsets, first_counts, first_keys, first_offsets, sizes,
+     ended_at, ended_ids) = columns
+    n = int(header["dormant"])
+    task_ids = _from_ids(ids, n)
+    if len(statuses) != n:
+        raise UnusableSnapshot("dormant statuses and tasks differ in number")
+    counts_ = _from_le("I", counts, n)
+    offsets_ = _from_le("q", offsets, sum(counts_))
+    first_counts_ = _from_le("I", first_counts, n)
+    first_offsets_ = _from_le("q", first_offsets, sum(first_counts_))
+    keys = _from_ids(first_keys, len(first_offsets_))
+    sizes_ = _from_le("I", sizes, n)
+    if sum(sizes_) != len(payloads):
+        raise UnusableSnapshot("dormant tasks' bytes do not add up")
+    # Each task's slice of the columns, between running sums (one pass, no per-task lookups).
+    ends, first_ends, payload_ends = accumulate(counts_), accumulate(first_counts_), \
+        accumulate(sizes_)
+    status_of = [_STATUSES[code] for code in statuses]
+    pairs = list(zip(keys, first_offsets_, strict=True))
+    dormant = [Dormant(task_id, status, offsets_[o - c:o], tuple(pairs[f - fc:f]),
+                       payloads[at - size:at])
+               for task_id, status, c, o, fc, f, size, at in zip(
+                   task_ids, status_of, counts_, ends, first_counts_, first_ends, sizes_,
+                   payload_ends, strict=True)]
+    m = int(header["ended"])
+    ended = [(_EPOCH + us * _MICROSECOND, task_id) for us, task_id in
+             zip(_from_le("q", ended_at, m), _from_ids(ended_ids, m), strict=True)]
+    return dormant, ended
+
+
+def _index_v4(header: dict[str, Any],
+              payloads: bytes) -> tuple[list[Dormant], list[tuple[datetime, str]]]:
+    """Dormant and ended tasks from a format-4 header (JSON lists): the image a build before
+    this one wrote, read once after an upgrade instead of replaying the partition."""
+    dormant, at = [], 0
+    for task_id, status, task_offsets, firsts, size in header["dormant"]:
+        if status not in _STATUS_CODE:
+            raise UnusableSnapshot(f"not how a task ends: {str(status)[:40]}")
+        dormant.append(Dormant(task_id, status, task_offsets, firsts, payloads[at:at + size]))
+        at += size
+    if at != len(payloads):
+        raise UnusableSnapshot("dormant tasks' bytes do not add up")
+    return dormant, [(datetime.fromisoformat(at), str(t)) for at, t in header["ended"]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,7 +353,7 @@ class Pointer:
     def parse(cls, metadata: str) -> Pointer:
         try:
             m: dict[str, Any] = json.loads(metadata)
-            if m.get("v") != FORMAT:
+            if m.get("v") not in READS:
                 raise UnusableSnapshot(f"pointer format {m.get('v')!r}")
             return cls(str(m["id"]), int(m["p"]), int(m["o"]), int(m["n"]), int(m["b"]),
                        str(m["h"]))
@@ -346,18 +441,23 @@ async def read(settings: KafkaSettings, group: str, partition: int, pointer: Poi
     return blob
 
 
-async def load(settings: KafkaSettings, group: str,
-               tps: list[TopicPartition]) -> dict[int, Image]:
-    """The usable image of each journal partition in `tps`; the others replay from zero."""
+async def load_each(settings: KafkaSettings, group: str,
+                    tps: list[TopicPartition]) -> AsyncIterator[tuple[int, Image | None]]:
+    """(partition, its usable image or None) for each journal partition in `tps`, in the
+    order they are read: a follower serves each one as soon as it is restored. None: replay
+    that partition from zero."""
     logger = log.get("halfway.snapshots", group=group)
     try:
         committed = await pointers(settings, group, tps)
     except Exception as exc:
         logger.warning("no snapshots read: the group's commits could not be fetched",
                        error=f"{type(exc).__name__}: {exc}"[:300])
-        return {}
+        committed = {}
 
-    async def one(tp: TopicPartition, offset: int, metadata: str) -> Image | None:
+    async def one(tp: TopicPartition) -> tuple[int, Image | None]:
+        offset, metadata = committed.get(tp, (0, ""))
+        if not metadata:
+            return tp.partition, None
         started = time.monotonic()
         try:
             pointer = Pointer.parse(metadata)
@@ -368,20 +468,29 @@ async def load(settings: KafkaSettings, group: str,
         except UnusableSnapshot as exc:
             logger.warning("snapshot not used; the partition is replayed from zero",
                            partition=tp.partition, reason=str(exc))
-            return None
+            return tp.partition, None
         except Exception as exc:
             logger.warning("snapshot not read; the partition is replayed from zero",
                            partition=tp.partition, error=f"{type(exc).__name__}: {exc}"[:300])
-            return None
+            return tp.partition, None
         logger.info("snapshot read", partition=tp.partition, journal_next=image.journal_next,
                     live_events=len(image.events), dormant=len(image.dormant),
-                    sealed=len(image.sealed) // 8,
+                    sealed=len(image.sealed) // 8, format=image.format,
                     bytes=pointer.size, seconds=round(time.monotonic() - started, 3))
-        return image
+        return tp.partition, image
 
     # All partitions at once: each read is mostly waiting (a connection, a fetch).
-    pointed = [(tp, offset, metadata) for tp, (offset, metadata) in committed.items()
-               if metadata]
-    found = await asyncio.gather(*(one(*item) for item in pointed))
-    return {tp.partition: image for (tp, _, _), image in zip(pointed, found, strict=True)
+    reads = [asyncio.ensure_future(one(tp)) for tp in tps]
+    try:
+        for done in asyncio.as_completed(reads):
+            yield await done
+    finally:
+        for read_ in reads:
+            read_.cancel()  # the caller stopped early (revoked, or stopping)
+
+
+async def load(settings: KafkaSettings, group: str,
+               tps: list[TopicPartition]) -> dict[int, Image]:
+    """The usable image of each journal partition in `tps`; the others replay from zero."""
+    return {number: image async for number, image in load_each(settings, group, tps)
             if image is not None}
