@@ -21,6 +21,7 @@ from halfway.contract.topics import TASKS
 from halfway.core.fold import TaskStatus
 from halfway.journal import membership
 from halfway.journal.follower import JournalFollower
+from halfway.serve import WORKER_EXECUTOR_GATHER_MS
 from halfway.settings import KafkaSettings
 from tests.factories import Stamper
 from tests.followers import unstarted
@@ -94,9 +95,20 @@ async def test_a_worker_runs_tasks_and_mixes_with_a_separate_executor(core: Clus
     assert all(s.final_state is FinalState.SUCCEEDED for s in states.values())
     assert worker.logged("partitions assigned")
 
-    # A separate executor joins the executors' group: the work is shared, charged once.
+    # Its executor lets the broker gather fetches (what it needs fast is folded in-process);
+    # its decider does not (requests come from callers).
+    gathers = {e["group"]: e.get("gather_ms") for e in worker.logged("partitions assigned")
+               if "group" in e}
+    prefix = core.settings.topic_prefix
+    assert gathers == {f"{prefix}decider": 0,
+                       f"{prefix}executor": WORKER_EXECUTOR_GATHER_MS}, gathers
+
+    # A separate executor and a separate decider join their groups: the work is shared, a step
+    # decided elsewhere reaches the worker's executor through its gathered fetches, and every
+    # charge is made once.
     await core.start("executor")
-    more = [f"worker-more-{i}" for i in range(6)]
+    await core.start("decider")
+    more = [f"worker-more-{i}" for i in range(12)]
     await core.publish(*(renewal_request(t) for t in more))
     states = await core.journal.until_finished(more)
     assert all(s.final_state is FinalState.SUCCEEDED for s in states.values())

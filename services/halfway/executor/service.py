@@ -74,7 +74,10 @@ UNSERVED_SAID_MAX = 10_000
 
 class Executor(StepWorker):
     def __init__(self, settings: KafkaSettings, registry: Registry, writer: JournalWriter, *,
-                 group: str | None = None, app_label: str = "unnamed") -> None:
+                 group: str | None = None, app_label: str = "unnamed",
+                 gather_ms: int = 0) -> None:
+        """`gather_ms`: how long the broker may hold a fetch to gather records (a worker's
+        executor: what it needs fast is folded from its own process)."""
         super().__init__()
         self.registry = registry
         self.writer = writer
@@ -82,7 +85,8 @@ class Executor(StepWorker):
         group = group or f"{settings.topic_prefix}executor"  # one group per deployment
         self.follower = JournalFollower(settings, group=group, writer=writer,
                                         on_change=self._on_change, app_label=app_label,
-                                        seal_after_s=env.seal_after_s(), snapshots=True)
+                                        seal_after_s=env.seal_after_s(), snapshots=True,
+                                        gather_ms=gather_ms)
         self._slots = asyncio.Semaphore(CALLS_IN_FLIGHT_MAX)
         self._unserved_said: OrderedDict[str, None] = OrderedDict()
         self._log = log.get("halfway.executor")

@@ -829,7 +829,7 @@ class JournalFollower:
             loader.add_done_callback(self._loaders.discard)
         self._serve({tp: part for tp, part in parts.items() if tp not in later}, {})
         self._log.info("partitions assigned", partitions=sorted(tp.partition for tp in new),
-                       loading=sorted(numbers))
+                       loading=sorted(numbers), gather_ms=self._consumer.gather_ms)
 
     def _serve(self, parts: dict[TopicPartition, _Partition],
                starts: dict[TopicPartition, int]) -> None:

@@ -49,6 +49,7 @@ class EventConsumer:
         step's critical path trades that much latency for far fewer fetches."""
         self.group = group
         self.app_label = app_label
+        self.gather_ms = gather_ms
         self.fetched: set[TopicPartition] = set()  # partitions the last `batch` had records of
         # Every app label the group's members announced at the last rebalance (membership).
         self.group_apps: dict[str, int] = {}
