@@ -9,8 +9,9 @@ over the last 30 days, then one live task is requested. A decider is started as 
 process (`halfway run decider`) and the clock runs until it acts on the live task (its
 `task.started` is in the journal): first cold (no snapshot: the journal from zero), kept
 running until it wrote a snapshot of every partition; then again, restoring the snapshots. The
-figures: seconds from process start to that first action, and the decider's RSS then. Figures
-only; nothing passes or fails.
+figures: seconds from process start to that first action, and the decider's RSS then; and how
+often the deciders lost partitions while they ran ("partitions revoked": a replay that starved
+its heartbeat would lose them and start over). Figures only; nothing passes or fails.
 """
 
 from __future__ import annotations
@@ -240,10 +241,12 @@ async def one(base: KafkaSettings, events: int, *, prefix: str | None = None,
         if prefix is None or first:
             # Cold: no snapshot (or only unusable ones: replayed), the journal from zero; it
             # snapshots every partition.
-            r["cold_s"], r["cold_rss"], _ = await restart(settings, f"{events}-cold",
-                                                          until_snapshots=JOURNAL.partitions)
+            r["cold_s"], r["cold_rss"], cold_log = await restart(
+                settings, f"{events}-cold", until_snapshots=JOURNAL.partitions)
+            r["revoked"] = len(logged(cold_log, "partitions revoked"))
         # Warm: the snapshots and the journal after them (a probe request or two).
         r["warm_s"], r["warm_rss"], log_path = await restart(settings, f"{events}-warm")
+        r["revoked"] = r.get("revoked", 0) + len(logged(log_path, "partitions revoked"))
         restored = logged(log_path, "snapshot read")
         r["restored"] = len(restored)
         r["read_s"] = max((e.get("seconds", 0.0) for e in restored), default=0.0)
@@ -268,12 +271,14 @@ async def main() -> None:
     args = parser.parse_args()
     base = KafkaSettings.from_env()
     print(f"{'journal events':>15} {'cold: first action':>19} {'RSS':>8}"
-          f" {'from snapshot: first action':>28} {'RSS':>8} {'restored':>9} {'(fill)':>8}")
+          f" {'from snapshot: first action':>28} {'RSS':>8} {'restored':>9} {'revoked':>8}"
+          f" {'(fill)':>8}")
     for events in (int(n) for n in args.events.split(",")):
         r = await one(base, events, prefix=args.prefix, keep=args.keep, first=args.first)
         print(f"{events:>15,} {r['cold_s']:>17.2f} s {r['cold_rss']:>4.0f} MiB"
               f" {r['warm_s']:>26.2f} s {r['warm_rss']:>4.0f} MiB"
-              f" {r['restored']:>5.0f}/{JOURNAL.partitions} {r['fill_s']:>7.1f}s", flush=True)
+              f" {r['restored']:>5.0f}/{JOURNAL.partitions} {r['revoked']:>8.0f}"
+              f" {r['fill_s']:>7.1f}s", flush=True)
 
 
 if __name__ == "__main__":
