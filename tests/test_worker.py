@@ -16,11 +16,11 @@ import pytest
 from aiokafka import TopicPartition
 from aiokafka.coordinator.protocol import ConsumerProtocolMemberMetadata
 
-from halfway.contract import FinalState
+from halfway.contract import FinalState, Outcome
 from halfway.contract.topics import TASKS
 from halfway.core.fold import TaskStatus
 from halfway.journal import membership
-from halfway.journal.follower import JournalFollower
+from halfway.journal.follower import LOCAL_AHEAD_MAX, JournalFollower
 from halfway.serve import WORKER_EXECUTOR_GATHER_MS
 from halfway.settings import KafkaSettings
 from tests.factories import Stamper
@@ -55,6 +55,8 @@ async def test_an_own_append_is_folded_at_once_only_in_log_order() -> None:
     assert f.states["t1"].status is TaskStatus.REQUESTED
     f._apply(started, JOURNAL_TP, 6)
     f._apply(intended, JOURNAL_TP, 7)
+    f._fold_all_ahead()  # the fetched 7 is forgotten, not folded twice
+    assert f._partitions[JOURNAL_TP].ahead == {}
     assert f.states["t1"].status is TaskStatus.RUNNING
     assert 1 in f.states["t1"].steps
     # Another topic's append, or a partition not caught up, is never folded locally.
@@ -62,6 +64,41 @@ async def test_an_own_append_is_folded_at_once_only_in_log_order() -> None:
     f._partitions[JOURNAL_TP].caught_up = False
     f._appended("local.journal", s.finished(FinalState.SUCCEEDED), 0, 8)
     assert f.states["t1"].status is TaskStatus.RUNNING
+
+
+async def test_an_own_append_past_a_gap_is_folded_once_the_gap_is() -> None:
+    s = Stamper("t1", now=datetime(2026, 12, 1, tzinfo=UTC), tick=timedelta(seconds=1))
+    requested, started, intended = s.requested(), s.started(), s.intended(1)
+    attempted, settled = s.attempted(1, 1), s.settled(1, Outcome.DONE)
+    f = follower(applied_to=4)
+    part = f._partitions[JOURNAL_TP]
+    f._appended("local.journal", requested, 0, 5)
+
+    # A worker's two producers: the executor's append at 7 is acknowledged before the
+    # decider's at 6. 7 waits; 6 folds, and 7 right after it, with no fetch.
+    f._appended("local.journal", intended, 0, 7)
+    assert f.states["t1"].status is TaskStatus.REQUESTED
+    f._appended("local.journal", started, 0, 6)
+    assert f._folded("local.journal", 0, 7)
+    assert 1 in f.states["t1"].steps
+    assert part.ahead == {}
+
+    # Past another writer's record (8): folded once the fetch brought 8.
+    f._appended("local.journal", settled, 0, 9)
+    f._fold_all_ahead()
+    assert not f._folded("local.journal", 0, 9)  # nothing before it came yet
+    f._apply(attempted, JOURNAL_TP, 8)
+    f._fold_all_ahead()
+    assert f._folded("local.journal", 0, 9)
+    assert f.states["t1"].steps[1].effect.settlement is not None
+
+    # Bounded: past LOCAL_AHEAD_MAX the fetch alone brings them; a revoked partition's go.
+    for offset in range(11, 11 + LOCAL_AHEAD_MAX + 5):
+        f._appended("local.journal", s.checked(1), 0, offset)
+    assert len(part.ahead) == LOCAL_AHEAD_MAX
+    del f._partitions[JOURNAL_TP]
+    f._fold_all_ahead()
+    assert not f._ahead
 
 
 def test_group_members_of_one_process_get_the_same_partitions_in_every_group() -> None:

@@ -98,6 +98,10 @@ _DORMANT_AFTER = timedelta(seconds=DORMANT_AFTER_S)
 ACTS_AT_ONCE_MAX = 64
 # How long one fetch waits when the journal is quiet (a `touch` ends the wait at once).
 IDLE_FETCH_MS = 100
+# Own appends acknowledged ahead of a record not folded yet (another writer's, or one of this
+# process's whose acknowledgement is still coming: a worker appends with two producers), kept
+# per partition to be folded as soon as the gap is; past this many the fetch brings them.
+LOCAL_AHEAD_MAX = 1024
 # A task whose act failed is tried again after RETRY_S_MIN, doubling up to RETRY_S_MAX; after
 # FAILURES_MAX failures in a row the service's `on_give_up` is called (once).
 RETRY_S_MIN = 0.5
@@ -131,6 +135,8 @@ class _Partition:
     # (monotonic; the adoption counts as one).
     since_snapshot: int = 0
     snapshot_s: float = field(default_factory=time.monotonic)
+    # Own appends past a gap, by offset (LOCAL_AHEAD_MAX at most): see `_appended`.
+    ahead: dict[int, Event] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +245,7 @@ class JournalFollower:
         self._partitions: dict[TopicPartition, _Partition] = {}
         self._awaiting: dict[str, tuple[TopicPartition, int]] = {}
         self._dirty: set[str] = set()
+        self._ahead: set[TopicPartition] = set()  # partitions with own appends past a gap
         self._failures: dict[str, int] = {}
         self._retries: dict[str, asyncio.TimerHandle] = {}
         self._progress = asyncio.Condition()
@@ -303,6 +310,8 @@ class JournalFollower:
                     gc.collect()  # walks only what was not frozen yet: the newest records'
                     gc.freeze()
                 await self._refresh_positions()
+                if self._ahead:
+                    self._fold_all_ahead()
                 self._release_webhooks()
                 await self._commit_webhooks()
                 async with self._progress:
@@ -449,15 +458,40 @@ class JournalFollower:
     def _appended(self, topic: str, event: Event, partition: int, offset: int) -> None:
         """This process appended `event` at `offset` of the journal: fold it now if every
         record before it is folded (the fold stays in log order); its fetched copy is then
-        skipped. Otherwise the fetch brings it, as it brings every other writer's."""
+        skipped. Past a gap it waits (bounded) for the gap to be folded, by the fetch or by
+        this process's own append there; the fetch brings it too, whichever comes first."""
         if topic != self._journal:
             return
         tp = TopicPartition(topic, partition)
         part = self._partitions.get(tp)
-        if part is None or not part.caught_up or part.applied_to != offset - 1:
+        if part is None or not part.caught_up or offset <= part.applied_to:
+            return
+        if offset != part.applied_to + 1:
+            if len(part.ahead) < LOCAL_AHEAD_MAX:
+                part.ahead[offset] = event
+                self._ahead.add(tp)
             return
         self._apply(event, tp, offset)
+        self._fold_ahead(tp, part)
         self._wake.set()
+
+    def _fold_ahead(self, tp: TopicPartition, part: _Partition) -> None:
+        """Fold the own appends that waited for what is folded now; forget those fetched."""
+        ahead = part.ahead
+        while (event := ahead.pop(part.applied_to + 1, None)) is not None:
+            self._apply(event, tp, part.applied_to + 1)
+        for offset in [o for o in ahead if o <= part.applied_to]:
+            del ahead[offset]
+        if not ahead:
+            self._ahead.discard(tp)
+
+    def _fold_all_ahead(self) -> None:
+        for tp in list(self._ahead):
+            part = self._partitions.get(tp)
+            if part is None:
+                self._ahead.discard(tp)  # revoked: its appends go with it
+            else:
+                self._fold_ahead(tp, part)
 
     def _folded(self, topic: str, partition: int, offset: int) -> bool:
         """Whether a fetched record is folded already (this process's own append)."""
