@@ -1,0 +1,62 @@
+"""Small runs of the benchmarks that issue 12's figures come from, so that they keep running.
+
+Each runs its script end to end against the real broker, at a size CI can afford, and checks
+what it reports besides times: a restart from snapshots reads them and loses no partition; the
+side-by-side table has a row of figures for each halfway system and the CPU per process. No
+time is asserted: the figures are for people (`benchmarks/*.py`, at their real sizes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from benchmarks import recovery
+
+from halfway.settings import KafkaSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+SIDE_BY_SIDE_TIMEOUT_S = 240.0
+
+
+@pytest.mark.broker
+async def test_recovery_restarts_from_snapshots_without_losing_partitions(
+        infrastructure: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(recovery, "LOG_DIR", tmp_path)
+    r = await recovery.one(KafkaSettings.from_env(), 1200)
+    assert math.isfinite(r["cold_s"]), r
+    assert math.isfinite(r["warm_s"]), r
+    assert r["restored"] >= 1, r  # the probe's partition at least came from its snapshot
+    assert r["revoked"] == 0, r
+    cold = (tmp_path / "decider-1200-cold.log").read_text()
+    assert cold.count('"snapshot written"') >= 6
+
+
+@pytest.mark.broker
+async def test_side_by_side_prints_a_row_for_each_halfway_system(
+        infrastructure: None, tmp_path: Path) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(ROOT / "benchmarks" / "side_by_side.py"), "--skip", "restate,dbos",
+        "--rounds", "1", "--tasks", "4", "--callers", "2", "--inflight", "8",
+        "--floor-samples", "20", "--cache", str(tmp_path),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=ROOT)
+    try:
+        async with asyncio.timeout(SIDE_BY_SIDE_TIMEOUT_S):
+            out = (await proc.communicate())[0].decode(errors="replace")
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, out[-3000:]
+    number = r"[\d,.]+"
+    for system in ("halfway", "halfway-w"):
+        row = rf"^{re.escape(system)}\s+{number}\s+{number}\s+\S+\s+{number}\s+{number}\s+{number}$"
+        assert re.search(row, out, re.MULTILINE), out[-3000:]
+    assert re.search(r"^restate\s+not run: skipped", out, re.MULTILINE), out[-3000:]
+    assert re.search(r"^  halfway-w worker [\d.]+, reconciler [\d.]+", out, re.MULTILINE), \
+        out[-3000:]
+    assert "floor: journal append (acks=all) p50" in out
