@@ -542,3 +542,93 @@ async def test_a_wake_ends_a_quiet_fetch_and_loses_no_record(
         async with asyncio.timeout(WAIT_S):
             while not any(d.event == request for d in got):
                 got += await consumer.batch(1000, wake=asyncio.Event())
+
+
+@pytest.fixture
+async def tasks_and_journal(kafka_settings: KafkaSettings) -> AsyncIterator[KafkaSettings]:
+    """A tasks topic and a journal of this test's own."""
+    settings = kafka_settings.with_prefix(f"prompt-{uuid.uuid4().hex[:8]}.")
+    await ensure_topics(settings, (TASKS, JOURNAL, DEAD_LETTERS))
+    yield settings
+    await delete_topics(settings, (TASKS, JOURNAL, DEAD_LETTERS))
+
+
+async def delivered(consumers: list[EventConsumer], wanted: set[str],
+                    ) -> dict[str, list[tuple[int, Delivery]]]:
+    """Batches of every consumer until each of `wanted` (event ids) is delivered: event id ->
+    (which consumer, delivery) for each delivery of it."""
+    got: dict[str, list[tuple[int, Delivery]]] = {}
+    async with asyncio.timeout(WAIT_S):
+        while not wanted <= got.keys():
+            for i, consumer in enumerate(consumers):
+                for d in await consumer.batch(50, wake=asyncio.Event()):
+                    if d.event.event_id in wanted:
+                        got.setdefault(d.event.event_id, []).append((i, d))
+    return got
+
+
+def owned(consumer: EventConsumer, topic: str) -> set[TopicPartition]:
+    return {tp for tp in consumer.kafka.assignment() if tp.topic == topic}
+
+
+@broker
+async def test_a_gathering_consumer_reads_its_prompt_topic_with_a_consumer_of_its_own(
+        tasks_and_journal: KafkaSettings) -> None:
+    """A worker's decider lets the broker gather its journal fetches but must hear requests at
+    once: the group assigns it both topics' partitions, its group consumer leaves the tasks
+    topic's paused to a second consumer, and one batch hands out what either fetched. After a
+    rebalance each member reads the prompt partitions it owns, and only those."""
+    settings = tasks_and_journal
+    tasks, journal = TASKS.name(settings.topic_prefix), JOURNAL.name(settings.topic_prefix)
+    name = group()
+
+    def member(writer: JournalWriter) -> EventConsumer:
+        return EventConsumer(settings, topics=(JOURNAL, TASKS), group=name, writer=writer,
+                             gather_ms=20, prompt=(TASKS,))
+
+    async def joined(*consumers: EventConsumer) -> None:
+        """Until the group has handed every partition of both topics out, once."""
+        async with asyncio.timeout(WAIT_S):
+            while True:
+                for consumer in consumers:
+                    await consumer.batch(50, wake=asyncio.Event())
+                mine = [consumer.kafka.assignment() for consumer in consumers]
+                handed = [tp for tps in mine for tp in tps]
+                if all(mine) and len(handed) == len(set(handed)) == 2 * settings.partitions:
+                    return
+
+    def requests_and_starts(tag: str) -> tuple[list[Event], list[Event]]:
+        ids = [f"{tag}-{uuid.uuid4().hex[:6]}-{i}" for i in range(12)]
+        return [Stamper(t).requested() for t in ids], [Stamper(t).started() for t in ids]
+
+    async with JournalWriter(settings) as writer:
+        first = member(writer)
+        async with first:
+            await joined(first)
+            assert len(owned(first, tasks)) == len(owned(first, journal)) == settings.partitions
+            assert first.kafka.paused() == owned(first, tasks)  # left to the prompt consumer
+            requests, starts = requests_and_starts("alone")
+            for request, start in zip(requests, starts, strict=True):
+                await writer.append(request, TASKS)
+                await writer.append(start)
+            got = await delivered([first], {e.event_id for e in [*requests, *starts]})
+            # Each once: the group's consumer never fetched a tasks partition too.
+            assert all(len(copies) == 1 for copies in got.values()), got
+            assert {got[r.event_id][0][1].topic for r in requests} == {tasks}
+
+            second = member(writer)
+            async with second:
+                await joined(first, second)
+                for consumer in (first, second):
+                    assert consumer.kafka.paused() == owned(consumer, tasks)
+                requests, starts = requests_and_starts("shared")
+                for request, start in zip(requests, starts, strict=True):
+                    await writer.append(request, TASKS)
+                    await writer.append(start)
+                got = await delivered([first, second],
+                                      {e.event_id for e in [*requests, *starts]})
+                for copies in got.values():
+                    # Delivered by the member that owns its partition, and by no other.
+                    [(who, d)] = copies
+                    assert TopicPartition(d.topic, d.partition) in owned(
+                        [first, second][who], d.topic)

@@ -21,7 +21,7 @@ from halfway.contract.topics import TASKS
 from halfway.core.fold import TaskStatus
 from halfway.journal import membership
 from halfway.journal.follower import LOCAL_AHEAD_MAX, JournalFollower
-from halfway.serve import WORKER_EXECUTOR_GATHER_MS
+from halfway.serve import WORKER_GATHER_MS
 from halfway.settings import KafkaSettings
 from tests.factories import Stamper
 from tests.followers import unstarted
@@ -132,13 +132,13 @@ async def test_a_worker_runs_tasks_and_mixes_with_a_separate_executor(core: Clus
     assert all(s.final_state is FinalState.SUCCEEDED for s in states.values())
     assert worker.logged("partitions assigned")
 
-    # Its executor lets the broker gather fetches (what it needs fast is folded in-process);
-    # its decider does not (requests come from callers).
-    gathers = {e["group"]: e.get("gather_ms") for e in worker.logged("partitions assigned")
-               if "group" in e}
+    # Both its parts let the broker gather journal fetches (what they need fast is folded
+    # in-process); its decider reads requests at once, with a consumer of their own.
+    gathers = {e["group"]: (e.get("gather_ms"), e.get("at_once"))
+               for e in worker.logged("partitions assigned") if "group" in e}
     prefix = core.settings.topic_prefix
-    assert gathers == {f"{prefix}decider": 0,
-                       f"{prefix}executor": WORKER_EXECUTOR_GATHER_MS}, gathers
+    assert gathers == {f"{prefix}decider": (WORKER_GATHER_MS, [f"{prefix}tasks"]),
+                       f"{prefix}executor": (WORKER_GATHER_MS, [])}, gathers
 
     # A separate executor and a separate decider join their groups: the work is shared, a step
     # decided elsewhere reaches the worker's executor through its gathered fetches, and every

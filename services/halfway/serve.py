@@ -9,10 +9,12 @@ consumer group, exactly as when run apart (workers and separate deciders and exe
 one deployment). What it gains: each folds the other's appends as soon as they are
 acknowledged (`halfway.journal.writer.local_appends`), so a step goes from decided to
 attempted, and from settled to the next decision, without a consumer's fetch round trip.
-Its executor then has little to fetch that it has not folded already (the reconciler's
-settlements, steps of deciders elsewhere), so it lets the broker gather its fetches for
-WORKER_EXECUTOR_GATHER_MS: a fetch per window, not one per journal record (a 3-step task: 36
-requests from a worker to the broker, 30 with it).
+Both then have little to fetch from the journal that they have not folded already (the
+reconciler's settlements, steps of deciders or executors elsewhere), so they let the broker
+gather those fetches for WORKER_GATHER_MS: a fetch per window, not one per journal record.
+The decider still reads requests at once, with a consumer of their own (`EventConsumer`'s
+`prompt`). A sequential 3-step task: worker CPU 16 -> 10.5 ms, broker CPU 6.5-9 -> 4.5-5 ms,
+start to finished 18-19 -> 12.7-13.5 ms (benchmarks/side_by_side.py's task, this machine).
 """
 
 from __future__ import annotations
@@ -43,9 +45,10 @@ class Service(StrEnum):
 
 # The services a process of each kind runs.
 PARTS = {Service.WORKER: (Service.DECIDER, Service.EXECUTOR)}
-# How long a worker's executor lets the broker gather a fetch: what a decider elsewhere (a
-# mixed deployment) or the reconciler writes reaches it at most this much later.
-WORKER_EXECUTOR_GATHER_MS = 20
+# How long a worker's decider and executor let the broker gather a journal fetch: what is
+# written elsewhere (the reconciler, or deciders and executors of a mixed deployment) reaches
+# them at most this much later.
+WORKER_GATHER_MS = 20
 
 
 async def run_service(name: Service, settings: KafkaSettings, registry: Registry,
@@ -66,10 +69,11 @@ async def run_service(name: Service, settings: KafkaSettings, registry: Registry
             case Service.DECIDER:
                 await Decider(settings, registry, model or ScriptedModel(), writer,
                               instructions=app.instructions if app is not None else "",
-                              app_label=label).run()
+                              app_label=label,
+                              gather_ms=WORKER_GATHER_MS if in_worker else 0).run()
             case Service.EXECUTOR:
                 await Executor(settings, registry, writer, app_label=label,
-                               gather_ms=WORKER_EXECUTOR_GATHER_MS if in_worker else 0).run()
+                               gather_ms=WORKER_GATHER_MS if in_worker else 0).run()
             case Service.RECONCILER:
                 await Reconciler(settings, registry, writer,
                                  lookups=env.reconciler_lookups(), app_label=label).run()

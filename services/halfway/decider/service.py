@@ -103,7 +103,10 @@ ERROR_CHARS_MAX = 1000  # of an error, in the summary of a task given up on
 class Decider:
     def __init__(self, settings: KafkaSettings, registry: Registry, model: Model,
                  writer: JournalWriter, *, group: str | None = None, instructions: str = "",
-                 app_label: str | None = None) -> None:
+                 app_label: str | None = None, gather_ms: int = 0) -> None:
+        """`gather_ms`: how long the broker may hold a fetch of the journal to gather records
+        (a worker's decider: it folds its executor's appends as they are acknowledged); new
+        requests on the tasks topic are fetched at once either way."""
         self.registry = registry
         self.model = model
         self.writer = writer
@@ -118,6 +121,7 @@ class Decider:
                                         on_change=self._on_change, side=TASKS,
                                         app_label=app_label,
                                         seal_after_s=env.seal_after_s(), snapshots=True,
+                                        gather_ms=gather_ms, side_at_once=True,
                                         # a task over that still holds a claim has a move left
                                         wake_on_catch_up=lambda t: bool(
                                             self.guards.book.held_by(t)))

@@ -201,7 +201,9 @@ class _Listener(ConsumerRebalanceListener):
 
 class JournalFollower:
     """`side` is a second topic keyed like the journal (by task id) and read with it: the
-    tasks topic for the decider (requests), the webhooks topic for the reconciler."""
+    tasks topic for the decider (requests), the webhooks topic for the reconciler.
+    `gather_ms`: the broker may gather fetches that long (`EventConsumer`); with
+    `side_at_once`, the side topic's records are fetched at once even so."""
 
     def __init__(self, settings: KafkaSettings, *, group: str, writer: JournalWriter,
                  on_change: OnChange, side: TopicSpec | None = None,
@@ -209,7 +211,7 @@ class JournalFollower:
                  on_revoke: OnRevoke | None = None, app_label: str | None = None,
                  seal_after_s: float | None = None, snapshots: bool = False,
                  wake_on_catch_up: Callable[[str], bool] | None = None,
-                 gather_ms: int = 0) -> None:
+                 gather_ms: int = 0, side_at_once: bool = False) -> None:
         assert side in (None, TASKS, WEBHOOKS), "side topics must be keyed by task id"
         assert not (snapshots and on_event), "a restored state skips the per-event hook"
         topics: tuple[TopicSpec, ...] = (JOURNAL,) if side is None else (JOURNAL, side)
@@ -221,7 +223,8 @@ class JournalFollower:
         self._webhooks = WEBHOOKS.name(settings.topic_prefix) if side is WEBHOOKS else None
         self._consumer = EventConsumer(settings, topics=topics, group=group, writer=writer,
                                        listener=_Listener(self), app_label=app_label,
-                                       gather_ms=gather_ms)
+                                       gather_ms=gather_ms,
+                                       prompt=(side,) if side_at_once and side else ())
         self._on_change = on_change
         self._on_event = on_event
         self._on_assign = on_assign
@@ -343,10 +346,9 @@ class JournalFollower:
 
     def partition_lags(self) -> list[tuple[str, int, int, bool]]:
         """(topic, partition, records behind its end, caught up) of each owned partition."""
-        kafka = self._consumer.kafka
         out = []
         for tp, part in list(self._partitions.items()):
-            end = kafka.highwater(tp)
+            end = self._consumer.highwater(tp)
             end = part.end_at_assign if end is None else end
             out.append((tp.topic, tp.partition, max(0, end - part.applied_to - 1),
                         part.caught_up))
@@ -516,7 +518,7 @@ class JournalFollower:
                                     fresh=offset >= part.noticed_to,
                                     received_s=time.monotonic()))
             if len(held) >= HELD_WEBHOOKS_MAX and tp not in self._paused:
-                self._consumer.kafka.pause(tp)  # the journal catches up first
+                self._consumer.pause(tp)  # the journal catches up first
                 self._paused.add(tp)
                 self._log.warning("webhooks paused until the journal catches up",
                                   partition=tp.partition, held=len(held))
@@ -647,19 +649,20 @@ class JournalFollower:
                 kept.append(d)
         for tp, start in again.items():
             if tp in self._partitions:
-                self._consumer.kafka.seek(tp, start)
+                self._consumer.seek(tp, start)
         return kept
 
     async def _refresh_positions(self) -> None:
         """Positions of the partitions the last fetch returned records of, of those still
-        catching up, and after a quiet fetch of all (a position moves only with a fetch)."""
-        kafka = self._consumer.kafka
+        catching up, and after a quiet fetch of all (a position moves only with a fetch: none
+        after a batch woken before its fetch returned, as for each own append)."""
         fetched = self._consumer.fetched
+        woken = self._consumer.woken
         for tp, part in list(self._partitions.items()):
-            if fetched and tp not in fetched and part.caught_up:
+            if part.caught_up and (woken or (fetched and tp not in fetched)):
                 continue
             try:
-                position = await kafka.position(tp)
+                position = await self._consumer.position(tp)
             except Exception:  # revoked meanwhile
                 continue
             # Past the records skipped as invalid too; never back over a local fold.
@@ -710,7 +713,7 @@ class JournalFollower:
             self._held[number] = waiting
             tp = next((t for t in self._paused if t.partition == number), None)
             if tp is not None and len(waiting) < HELD_WEBHOOKS_MAX // 2:
-                self._consumer.kafka.resume(tp)
+                self._consumer.resume(tp)
                 self._paused.discard(tp)
 
     async def _commit_webhooks(self) -> None:
@@ -857,13 +860,14 @@ class JournalFollower:
             self._loading[number] = {tp: part for tp, part in later.items()
                                      if tp.partition == number}
         if later:
-            kafka.pause(*later)
+            self._consumer.pause(*later)
             loader = asyncio.create_task(self._load(candidates))
             self._loaders.add(loader)
             loader.add_done_callback(self._loaders.discard)
         self._serve({tp: part for tp, part in parts.items() if tp not in later}, {})
         self._log.info("partitions assigned", partitions=sorted(tp.partition for tp in new),
-                       loading=sorted(numbers), gather_ms=self._consumer.gather_ms)
+                       loading=sorted(numbers), gather_ms=self._consumer.gather_ms,
+                       at_once=self._consumer.at_once)
 
     def _serve(self, parts: dict[TopicPartition, _Partition],
                starts: dict[TopicPartition, int]) -> None:
@@ -879,7 +883,7 @@ class JournalFollower:
         self._adoptions += 1
         for tp in parts:
             offset = starts.get(tp, 0)
-            self._consumer.kafka.seek(tp, offset)  # below the log's start: the earliest
+            self._consumer.seek(tp, offset)  # below the log's start: the earliest
             self._adopted[tp] = (self._adoptions, offset)
 
     # -- snapshots (halfway.journal.snapshots) ---------------------------------------------
@@ -914,7 +918,7 @@ class JournalFollower:
                     starts[side] = image.side_next
             del self._loading[number]
             self._serve(parts, starts)
-            self._consumer.kafka.resume(*parts)
+            self._consumer.resume(*parts)
             self._wake.set()  # a quiet fetch under way ends: the next one reads these too
             self._log.info("partition restored" if image is not None else
                            "partition read from zero", partition=number)

@@ -48,14 +48,19 @@ QUIET_FETCH_WAIT_MS = 100
 class EventConsumer:
     def __init__(self, settings: KafkaSettings, *, topics: tuple[TopicSpec, ...], group: str,
                  writer: RawWriter, listener: ConsumerRebalanceListener | None = None,
-                 app_label: str | None = None, gather_ms: int = 0) -> None:
+                 app_label: str | None = None, gather_ms: int = 0,
+                 prompt: tuple[TopicSpec, ...] = ()) -> None:
         """`gather_ms`: how long the broker may hold a fetch to gather records (up to
         GATHER_BYTES) before answering; 0 answers at the first record. A follower off the
-        step's critical path trades that much latency for far fewer fetches."""
+        step's critical path trades that much latency for far fewer fetches. `prompt`: those
+        of `topics` whose records are wanted at once even so (see `_Prompt`)."""
+        assert all(t in topics for t in prompt), "prompt topics are some of the topics read"
         self.group = group
         self.app_label = app_label
         self.gather_ms = gather_ms
         self.fetched: set[TopicPartition] = set()  # partitions the last `batch` had records of
+        # Whether the last `batch` was woken before its fetch returned: no position moved.
+        self.woken = False
         # Every app label the group's members announced at the last rebalance (membership).
         self.group_apps: dict[str, int] = {}
         self._topics = [t.name(settings.topic_prefix) for t in topics]
@@ -63,8 +68,10 @@ class EventConsumer:
         webhooks = WEBHOOKS.name(settings.topic_prefix)
         self._decoders: dict[str, Callable[[ConsumerRecord], Any]] = {
             name: decode_webhook if name == webhooks else decode for name in self._topics}
-        self._listener = listener
         self._log = log.get("halfway.journal", group=group)
+        self._prompt = _Prompt(settings, {t.name(settings.topic_prefix) for t in prompt},
+                               self) if prompt and gather_ms > 0 else None
+        self._listener = listener if self._prompt is None else self._prompt.wrap(listener)
         self.dead_letters = DeadLetters(writer, group=group, logger=self._log)
         self._consumer = AIOKafkaConsumer(
             **settings.client(),
@@ -92,6 +99,11 @@ class EventConsumer:
                 "per group (topic prefix)", apps=labels, this=self.app_label)
 
     @property
+    def at_once(self) -> list[str]:
+        """The topics fetched at once although the others are gathered."""
+        return sorted(self._prompt.topics) if self._prompt is not None else []
+
+    @property
     def dead_lettered(self) -> int:
         """Invalid records set aside so far (letters written, and records skipped without)."""
         return self.dead_letters.written + self.dead_letters.failed
@@ -102,6 +114,8 @@ class EventConsumer:
         return self._consumer
 
     async def start(self) -> None:
+        if self._prompt is not None:
+            await self._prompt.consumer.start()
         await self._consumer.start()
         if self._listener is None:
             self._consumer.subscribe(self._topics)
@@ -110,6 +124,32 @@ class EventConsumer:
 
     async def stop(self) -> None:
         await self._consumer.stop()
+        if self._prompt is not None:
+            await self._prompt.consumer.stop()
+
+    # -- partitions: each is read by one consumer (the group's, or the prompt one) ---------
+
+    def _reader(self, tp: TopicPartition) -> AIOKafkaConsumer:
+        prompt = self._prompt
+        return prompt.consumer if prompt is not None and tp.topic in prompt.topics \
+            else self._consumer
+
+    async def position(self, tp: TopicPartition) -> int:
+        return await self._reader(tp).position(tp)
+
+    def highwater(self, tp: TopicPartition) -> int | None:
+        return self._reader(tp).highwater(tp)
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        self._reader(tp).seek(tp, offset)
+
+    def pause(self, *tps: TopicPartition) -> None:
+        for tp in tps:
+            self._reader(tp).pause(tp)
+
+    def resume(self, *tps: TopicPartition) -> None:
+        for tp in tps:
+            self._reader(tp).resume(tp)
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -145,30 +185,45 @@ class EventConsumer:
                     out.append(delivery)
         return out
 
+    def _readers(self) -> list[AIOKafkaConsumer]:
+        if self._prompt is None or not self._prompt.consumer.assignment():
+            return [self._consumer]
+        return [self._consumer, self._prompt.consumer]
+
     async def _fetch(self, timeout_ms: int,
                      wake: asyncio.Event | None) -> dict[TopicPartition, list[ConsumerRecord]]:
-        if wake is None:
-            return await self._consumer.getmany(timeout_ms=timeout_ms,
-                                                max_records=FETCH_RECORDS_MAX)
-        if wake.is_set():
+        self.woken = False
+        readers = self._readers()
+        if wake is not None and wake.is_set():
             wake.clear()
-            return await self._consumer.getmany(timeout_ms=0, max_records=FETCH_RECORDS_MAX)
-        getter = asyncio.ensure_future(self._consumer.getmany(timeout_ms=timeout_ms,
-                                                              max_records=FETCH_RECORDS_MAX))
-        waker = asyncio.ensure_future(wake.wait())
+            timeout_ms = 0
+        if len(readers) == 1 and (wake is None or timeout_ms == 0):
+            return await readers[0].getmany(timeout_ms=timeout_ms,
+                                            max_records=FETCH_RECORDS_MAX)
+        getters = [asyncio.ensure_future(r.getmany(timeout_ms=timeout_ms,
+                                                   max_records=FETCH_RECORDS_MAX))
+                   for r in readers]
+        waker = asyncio.ensure_future(wake.wait()) if wake is not None else None
         try:
-            await asyncio.wait((getter, waker), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([*getters, *([waker] if waker else [])],
+                               return_when=asyncio.FIRST_COMPLETED)
         finally:
-            waker.cancel()
-        wake.clear()
-        if not getter.done():
+            if waker is not None:
+                waker.cancel()
+        if wake is not None:
+            wake.clear()
+        out: dict[TopicPartition, list[ConsumerRecord]] = {}
+        for getter in getters:
+            if getter.done():
+                out.update(getter.result())
+                continue
             # Safe: aiokafka drains its buffer and returns without awaiting in between, so a
             # cancelled getmany was only waiting and took no record with it.
             getter.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await getter
-            return {}
-        return getter.result()
+        self.woken = not any(getter.done() and not getter.cancelled() for getter in getters)
+        return out
 
     async def _accept(self, record: ConsumerRecord) -> Delivery | None:
         try:
@@ -188,3 +243,43 @@ class EventConsumer:
     async def commit_consumed(self) -> None:
         """Everything handed out so far (and every dead-lettered record) has been acted on."""
         await self._consumer.commit()
+
+
+class _Prompt:
+    """A second consumer, of no group, for the `prompt` topics of a gathering EventConsumer:
+    a worker's decider gathers the journal (what it needs of it at once, its own process's
+    appends, it folds as they are acknowledged: `halfway.journal.writer.local_appends`) but
+    must hear a new task's request at once. One consumer cannot do both: the broker answers a
+    fetch for all its partitions together, and aiokafka sends one fetch to a broker at a time.
+
+    The group still assigns every partition, prompt topics' too (range assignment keeps a
+    task's request and journal together); the group's consumer keeps those paused, and this
+    one reads them from where the follower seeks. aiokafka's rebalances are eager (every
+    partition is revoked, then the new assignment given), and a follower seeks each partition
+    it adopts, so a new assignment here starts every partition anew."""
+
+    def __init__(self, settings: KafkaSettings, topics: set[str], owner: EventConsumer) -> None:
+        self.topics = topics
+        self.owner = owner
+        self.consumer = AIOKafkaConsumer(
+            **settings.client(), group_id=None, enable_auto_commit=False,
+            auto_offset_reset="earliest", isolation_level="read_committed",
+            **fetch_limits(), fetch_max_wait_ms=QUIET_FETCH_WAIT_MS)
+
+    def wrap(self, listener: ConsumerRebalanceListener | None) -> ConsumerRebalanceListener:
+        prompt = self
+
+        class Handover(ConsumerRebalanceListener):
+            async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+                prompt.consumer.assign(sorted(prompt.consumer.assignment() - set(revoked)))
+                if listener is not None:
+                    await listener.on_partitions_revoked(revoked)
+
+            async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+                mine = {tp for tp in assigned if tp.topic in prompt.topics}
+                prompt.owner.kafka.pause(*mine)  # read by the prompt consumer only
+                prompt.consumer.assign(sorted(prompt.consumer.assignment() | mine))
+                if listener is not None:
+                    await listener.on_partitions_assigned(assigned)
+
+        return Handover()
