@@ -47,7 +47,10 @@ How to read the table:
   provider yourself. halfway's includes the caller's side of the journal (its request append
   and reading `task.finished`), as the others' include their HTTP front.
 - the ratios divide halfway's overhead per step by the floor (how many journal round trips a
-  step costs, in effect) and by each peer's overhead per step (above 1: halfway adds more).
+  step costs, in effect), by halfway's critical path per step (the round trips a halfway task
+  cannot do without, in series: its request's hop to the decider, 2 + 3 per step appends,
+  and the hop of `task.finished` to the caller, each at the floor's p50; divided by the
+  steps) and by each peer's overhead per step (above 1: halfway adds more).
 - CPU per task: CPU time (utime+stime from /proc) of each process over all of a system's
   phases, divided by that system's tasks: halfway's decider, executor, reconciler and the Kafka
   broker; restate-server and the service; the DBOS app and PostgreSQL (the backends of its
@@ -103,6 +106,11 @@ from halfway.settings import KafkaSettings, pg_dsn, pg_is_external, pg_port
 HERE = Path(__file__).resolve().parent / "side_by_side"
 STEPS = 3
 SCRIPT = [{"tool": "make_thing", "args": {"n": n}} for n in range(1, STEPS + 1)]
+# A halfway task's journal round trips in series: task.started, then intended, attempted and
+# settled per step, then task.finished; the request's hop to the decider and the finish's to
+# the caller.
+JOURNAL_APPENDS = 2 + 3 * STEPS
+JOURNAL_HOPS = 2
 TASK_TIMEOUT_S = 60.0  # one task, start to finished (the first one waits for the services)
 INFLIGHT_TIMEOUT_S = 120.0  # one of the tasks started at once
 INSTALL_TIMEOUT_S = 600.0
@@ -821,12 +829,19 @@ def report(systems: list[System], floor: Floor, args: argparse.Namespace, second
     print(f"floor: journal append (acks=all) p50 {append50:.3f} ms, p99 "
           f"{pct(floor.append_ms, 99):.3f} ms; produce→consume hop p50 {hop50:.3f} ms, p99 "
           f"{pct(floor.hop_ms, 99):.3f} ms (n={len(floor.append_ms)} each)")
+    # What a halfway task cannot do without, in series: its request's hop to the decider,
+    # the journal appends before and after each step's call and at its start and end, and the
+    # hop of `task.finished` back to the caller.
+    path = (JOURNAL_HOPS * hop50 + JOURNAL_APPENDS * append50) / STEPS
+    print(f"halfway's critical path per step: ({JOURNAL_APPENDS} appends + {JOURNAL_HOPS} "
+          f"hops) / {STEPS} = {path:.3f} ms")
     print("ratios (overhead per step, p50):")
     for name in PEERS:
         if name not in overhead:
             continue
         line = (f"  {name:<8} {overhead[name] / append50:6.1f}x an append, "
-                f"{overhead[name] / hop50:6.1f}x a hop")
+                f"{overhead[name] / hop50:6.1f}x a hop, "
+                f"{overhead[name] / path:5.2f}x halfway's critical path")
         others = [f"{overhead[name] / overhead[o]:.2f}x {o}" for o in PEERS
                   if o != name and o in overhead and overhead[o] > 0]
         if name.startswith("halfway") and others:
