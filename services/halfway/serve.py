@@ -47,8 +47,8 @@ class Service(StrEnum):
 PARTS = {Service.WORKER: (Service.DECIDER, Service.EXECUTOR)}
 # How long a worker's decider and executor let the broker gather a journal fetch: what is
 # written elsewhere (the reconciler, or deciders and executors of a mixed deployment) reaches
-# them at most this much later.
-WORKER_GATHER_MS = 20
+# them at most this much later. Also how often an idle worker fetches (as the reconciler).
+WORKER_GATHER_MS = 100
 
 
 async def run_service(name: Service, settings: KafkaSettings, registry: Registry,
