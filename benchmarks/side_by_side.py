@@ -443,7 +443,9 @@ class Halfway(System):
 
     async def setup(self, bench: Bench) -> None:
         base = KafkaSettings.from_env()
-        self.settings = base.with_prefix(f"sbs-{bench.run_id}.")
+        # Topics (and so consumer groups) of its own: halfway and halfway-w sharing them would
+        # be one mixed deployment, each system's tasks run by the other's processes too.
+        self.settings = base.with_prefix(f"sbs-{bench.run_id}-{self.name}.")
         await ensure_topics(self.settings, ALL_TOPICS)
         env = dict(os.environ) | {"HALFWAY_TOPIC_PREFIX": self.settings.topic_prefix,
                                   "HALFWAY_LOG_LEVEL": "WARNING", "HALFWAY_MODEL": "scripted",
