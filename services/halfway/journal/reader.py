@@ -12,7 +12,6 @@ event: at-least-once, with every output idempotent.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 from typing import Any, Self
@@ -207,22 +206,29 @@ class EventConsumer:
         try:
             await asyncio.wait([*getters, *([waker] if waker else [])],
                                return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            for getter in getters:
+                getter.cancel()
+            raise
         finally:
             if waker is not None:
                 waker.cancel()
         if wake is not None:
             wake.clear()
         out: dict[TopicPartition, list[ConsumerRecord]] = {}
+        self.woken = True
         for getter in getters:
-            if getter.done():
-                out.update(getter.result())
-                continue
             # Safe: aiokafka drains its buffer and returns without awaiting in between, so a
             # cancelled getmany was only waiting and took no record with it.
             getter.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await getter
-        self.woken = not any(getter.done() and not getter.cancelled() for getter in getters)
+            try:
+                out.update(await getter)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # this batch itself is cancelled (the service stops)
+                continue
+            self.woken = False  # a fetch came back: positions may have moved
         return out
 
     async def _accept(self, record: ConsumerRecord) -> Delivery | None:
