@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime, timedelta
+from typing import cast
 
 import pytest
 from aiokafka import TopicPartition
@@ -19,7 +20,7 @@ from aiokafka.coordinator.protocol import ConsumerProtocolMemberMetadata
 from halfway.contract import FinalState, Outcome
 from halfway.contract.topics import TASKS
 from halfway.core.fold import TaskStatus
-from halfway.journal import membership
+from halfway.journal import JournalWriter, membership
 from halfway.journal.follower import LOCAL_AHEAD_MAX, JournalFollower
 from halfway.serve import WORKER_GATHER_MS
 from halfway.settings import KafkaSettings
@@ -30,6 +31,8 @@ from tests.processes import Cluster, charges_for, renewal_request
 pytest_plugins = ["tests.processes"]
 
 SETTINGS = KafkaSettings(bootstrap="127.0.0.1:1", topic_prefix="local.", replication_factor=1)
+# The writer of a worker's other part: its appends are folded here as acknowledged.
+PARTNER = cast(JournalWriter, object())
 JOURNAL_TP = TopicPartition("local.journal", 0)
 def follower(applied_to: int) -> JournalFollower:
     """A follower (never started) whose journal partition 0 is caught up to `applied_to`."""
@@ -45,12 +48,12 @@ async def test_an_own_append_is_folded_at_once_only_in_log_order() -> None:
     assert f.states.get("t1") is None
 
     # Offset 5 follows what is folded: folded now, and the fetch's copy is skipped.
-    f._appended("local.journal", requested, 0, 5)
+    f._appended("local.journal", requested, 0, 5, PARTNER)
     assert f.states["t1"].status is TaskStatus.REQUESTED
     assert f._folded("local.journal", 0, 5)
     # Offset 7 leaves a gap (someone else's record at 6 is not folded yet): it waits for the
     # fetch, which brings 6 and then 7, in order.
-    f._appended("local.journal", intended, 0, 7)
+    f._appended("local.journal", intended, 0, 7, PARTNER)
     assert not f._folded("local.journal", 0, 7)
     assert f.states["t1"].status is TaskStatus.REQUESTED
     f._apply(started, JOURNAL_TP, 6)
@@ -60,10 +63,27 @@ async def test_an_own_append_is_folded_at_once_only_in_log_order() -> None:
     assert f.states["t1"].status is TaskStatus.RUNNING
     assert 1 in f.states["t1"].steps
     # Another topic's append, or a partition not caught up, is never folded locally.
-    f._appended("other.journal", s.finished(FinalState.SUCCEEDED), 0, 8)
+    f._appended("other.journal", s.finished(FinalState.SUCCEEDED), 0, 8, PARTNER)
     f._partitions[JOURNAL_TP].caught_up = False
-    f._appended("local.journal", s.finished(FinalState.SUCCEEDED), 0, 8)
+    f._appended("local.journal", s.finished(FinalState.SUCCEEDED), 0, 8, PARTNER)
     assert f.states["t1"].status is TaskStatus.RUNNING
+
+
+async def test_a_partners_append_wakes_the_loop_and_an_own_one_waits_for_note_write() -> None:
+    """Both are folded as acknowledged; the partner's may be our next move, so our loop wakes
+    at once, while our own service's append wakes it from `note_write`, just after: the part
+    that has a move to make goes first."""
+    s = Stamper("t1", now=datetime(2026, 12, 1, tzinfo=UTC), tick=timedelta(seconds=1))
+    f = follower(applied_to=4)
+    f._appended("local.journal", s.requested(), 0, 5, f._writer)
+    assert f.states["t1"].status is TaskStatus.REQUESTED
+    assert not f._wake.is_set()
+    f.note_write("t1", 0, 5)
+    assert f._wake.is_set()
+    f._wake.clear()
+    f._appended("local.journal", s.started(), 0, 6, PARTNER)
+    assert f.states["t1"].status is TaskStatus.RUNNING
+    assert f._wake.is_set()
 
 
 async def test_an_own_append_past_a_gap_is_folded_once_the_gap_is() -> None:
@@ -72,19 +92,19 @@ async def test_an_own_append_past_a_gap_is_folded_once_the_gap_is() -> None:
     attempted, settled = s.attempted(1, 1), s.settled(1, Outcome.DONE)
     f = follower(applied_to=4)
     part = f._partitions[JOURNAL_TP]
-    f._appended("local.journal", requested, 0, 5)
+    f._appended("local.journal", requested, 0, 5, PARTNER)
 
     # A worker's two producers: the executor's append at 7 is acknowledged before the
     # decider's at 6. 7 waits; 6 folds, and 7 right after it, with no fetch.
-    f._appended("local.journal", intended, 0, 7)
+    f._appended("local.journal", intended, 0, 7, PARTNER)
     assert f.states["t1"].status is TaskStatus.REQUESTED
-    f._appended("local.journal", started, 0, 6)
+    f._appended("local.journal", started, 0, 6, PARTNER)
     assert f._folded("local.journal", 0, 7)
     assert 1 in f.states["t1"].steps
     assert part.ahead == {}
 
     # Past another writer's record (8): folded once the fetch brought 8.
-    f._appended("local.journal", settled, 0, 9)
+    f._appended("local.journal", settled, 0, 9, PARTNER)
     f._fold_all_ahead()
     assert not f._folded("local.journal", 0, 9)  # nothing before it came yet
     f._apply(attempted, JOURNAL_TP, 8)
@@ -94,7 +114,7 @@ async def test_an_own_append_past_a_gap_is_folded_once_the_gap_is() -> None:
 
     # Bounded: past LOCAL_AHEAD_MAX the fetch alone brings them; a revoked partition's go.
     for offset in range(11, 11 + LOCAL_AHEAD_MAX + 5):
-        f._appended("local.journal", s.checked(1), 0, offset)
+        f._appended("local.journal", s.checked(1), 0, offset, PARTNER)
     assert len(part.ahead) == LOCAL_AHEAD_MAX
     del f._partitions[JOURNAL_TP]
     f._fold_all_ahead()

@@ -355,10 +355,12 @@ class JournalFollower:
         return out
 
     def note_write(self, task_id: str, partition: int, offset: int) -> None:
-        """The service appended to the journal: hold the task until the follower sees it."""
+        """The service appended to the journal: hold the task until the follower sees it
+        (then it is reported again)."""
         tp = TopicPartition(self._journal, partition)
         self._awaiting[task_id] = (tp, offset)
         self._dirty.add(task_id)
+        self._wake.set()
 
     def owns(self, task_id: str) -> bool:
         return any(task_id in p.tasks for tp, p in self._partitions.items()
@@ -457,11 +459,15 @@ class JournalFollower:
 
         self._retries[task_id] = asyncio.get_running_loop().call_later(delay_s, again)
 
-    def _appended(self, topic: str, event: Event, partition: int, offset: int) -> None:
+    def _appended(self, topic: str, event: Event, partition: int, offset: int,
+                  writer: JournalWriter) -> None:
         """This process appended `event` at `offset` of the journal: fold it now if every
         record before it is folded (the fold stays in log order); its fetched copy is then
         skipped. Past a gap it waits (bounded) for the gap to be folded, by the fetch or by
-        this process's own append there; the fetch brings it too, whichever comes first."""
+        this process's own append there; the fetch brings it too, whichever comes first.
+        The loop is woken for another service's append (a worker's partner: its next move
+        may be ours); for our own service's, `note_write` wakes it, just after: the partner
+        that has a move to make goes first."""
         if topic != self._journal:
             return
         tp = TopicPartition(topic, partition)
@@ -475,7 +481,8 @@ class JournalFollower:
             return
         self._apply(event, tp, offset)
         self._fold_ahead(tp, part)
-        self._wake.set()
+        if writer is not self._writer:
+            self._wake.set()
 
     def _fold_ahead(self, tp: TopicPartition, part: _Partition) -> None:
         """Fold the own appends that waited for what is folded now; forget those fetched."""

@@ -23,8 +23,8 @@ from halfway.contract.topics import JOURNAL, TopicSpec
 from halfway.journal.records import record_headers, record_key, record_value
 from halfway.settings import KafkaSettings
 
-# A listener of this process's journal appends: (topic, event, partition, offset).
-Appended = Callable[[str, Event, int, int], None]
+# A listener of this process's journal appends: (topic, event, partition, offset, writer).
+Appended = Callable[[str, Event, int, int, "JournalWriter"], None]
 
 
 class LocalAppends:
@@ -41,10 +41,11 @@ class LocalAppends:
         if listener in self._listeners:
             self._listeners.remove(listener)
 
-    def tell(self, topic: str, event: Event, partition: int, offset: int) -> None:
+    def tell(self, topic: str, event: Event, partition: int, offset: int,
+             writer: JournalWriter) -> None:
         for listener in list(self._listeners):
             try:
-                listener(topic, event, partition, offset)
+                listener(topic, event, partition, offset, writer)
             except Exception:  # the write stands; the fetch brings the event anyway
                 log.get("halfway.journal").exception("a local fold of an append failed",
                                                      offset=offset, partition=partition)
@@ -91,7 +92,7 @@ class JournalWriter:
             headers=record_headers(event),
         )
         if spec is JOURNAL:
-            local_appends.tell(topic, event, meta.partition, meta.offset)
+            local_appends.tell(topic, event, meta.partition, meta.offset, self)
         return meta
 
     async def append_raw(self, spec: TopicSpec, value: bytes | None, *, key: bytes | None = None,
