@@ -34,6 +34,7 @@ from halfway.journal.deadletters import (
     DeadLetters,
     send_dead_letter,
 )
+from halfway.journal.reader import Wake
 from halfway.journal.records import (
     EXCERPT_BYTES_MAX,
     LETTER_HEADER_CHARS_MAX,
@@ -522,26 +523,43 @@ async def test_a_consumer_whose_dead_letters_fail_skips_the_record_and_goes_on(
 
 
 @broker
+@pytest.mark.parametrize("make_wake", [asyncio.Event, Wake])
 async def test_a_wake_ends_a_quiet_fetch_and_loses_no_record(
-        topics: KafkaSettings, writer: JournalWriter) -> None:
+        topics: KafkaSettings, writer: JournalWriter,
+        make_wake: Callable[[], asyncio.Event | Wake]) -> None:
     """A service with work besides records (a timer fired) sets the wake: the fetch that was
-    waiting for records ends with nothing, and the record that comes next is still delivered."""
+    waiting for records ends with nothing, and the record that comes next is still delivered.
+    (A follower's `Wake` does what an asyncio.Event does here, without a task per batch.)"""
     task = f"wake-{uuid.uuid4().hex[:8]}"
     async with EventConsumer(topics, topics=(TASKS,), group=group(), writer=writer) as consumer:
         async with asyncio.timeout(WAIT_S):  # joined, and past what earlier tests wrote
             while await consumer.batch(500) or not consumer.kafka.assignment():
                 pass
-        wake = asyncio.Event()
+        wake = make_wake()
         asyncio.get_running_loop().call_later(0.05, wake.set)
         # Without the wake this fetch would wait ten minutes for a record that never comes.
         async with asyncio.timeout(WAIT_S):
             got = await consumer.batch(600_000, wake=wake)  # nothing new: ends by the wake
         assert not wake.is_set()  # taken: the next quiet fetch waits again
+        assert consumer.woken
         request = Stamper(task).requested()
         await writer.append(request, TASKS)
         async with asyncio.timeout(WAIT_S):
             while not any(d.event == request for d in got):
-                got += await consumer.batch(1000, wake=asyncio.Event())
+                got += await consumer.batch(1000, wake=make_wake())
+
+
+async def test_a_wake_set_before_its_future_is_asked_for_is_not_missed() -> None:
+    wake = Wake()
+    wake.set()
+    assert wake.future().done()  # a batch starting now does not wait
+    wake.clear()
+    waiting = wake.future()
+    assert not waiting.done()
+    assert wake.future() is waiting  # the next batch waits on the same one
+    wake.set()
+    assert waiting.done()
+    assert wake.is_set()
 
 
 @pytest.fixture

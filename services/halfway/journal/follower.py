@@ -66,7 +66,7 @@ from halfway.contract.topics import JOURNAL, TASKS, WEBHOOKS, TopicSpec
 from halfway.contract.webhooks import WebhookReceived
 from halfway.core.fold import StepStatus, TaskState, TaskStatus, apply
 from halfway.journal import snapshots as snaps
-from halfway.journal.reader import EventConsumer
+from halfway.journal.reader import EventConsumer, Wake
 from halfway.journal.records import Delivery
 from halfway.journal.sealed import SealedTasks
 from halfway.journal.writer import JournalWriter, local_appends
@@ -252,7 +252,7 @@ class JournalFollower:
         self._failures: dict[str, int] = {}
         self._retries: dict[str, asyncio.TimerHandle] = {}
         self._progress = asyncio.Condition()
-        self._wake = asyncio.Event()  # set by `touch`: the quiet fetch ends at once
+        self._wake = Wake()  # set by `touch`: the quiet fetch ends at once
         # Partitions adopted while a fetch was under way: (adoption number, start offset).
         self._adoptions = 0
         # Partitions whose snapshot is being read (paused until restored): number -> their
@@ -298,8 +298,9 @@ class JournalFollower:
                 # Yield to the loop once per batch: a fetch served from aiokafka's prefetched
                 # buffer returns without suspending, and a long replay that never suspends
                 # starves the consumer's heartbeat (the group then takes the partitions away
-                # and the replay starts over).
-                await asyncio.sleep(0)
+                # and the replay starts over). A batch that waited has yielded already.
+                if not self._consumer.waited:
+                    await asyncio.sleep(0)
                 adoptions = self._adoptions
                 deliveries = await self._consumer.batch(IDLE_FETCH_MS, wake=self._wake,
                                                         folded=self._folded)
@@ -395,6 +396,9 @@ class JournalFollower:
                 self._failures.pop(task_id, None)
 
         ids = list(task_ids)
+        if len(ids) == 1:
+            await one(ids[0])  # the common case when tasks come one by one: no task of its own
+            return
         for start in range(0, len(ids), ACTS_AT_ONCE_MAX):
             await asyncio.gather(*(one(t) for t in ids[start:start + ACTS_AT_ONCE_MAX]))
 

@@ -44,6 +44,35 @@ GATHER_BYTES = 256 * 1024
 QUIET_FETCH_WAIT_MS = 100
 
 
+class Wake:
+    """An asyncio.Event for `EventConsumer.batch` that hands out a plain future for its next
+    `set`: a batch waits on it without a task of its own (a follower's loop wakes for every
+    local append, so this is paid per journal event)."""
+
+    def __init__(self) -> None:
+        self._set = False
+        self._future: asyncio.Future[None] | None = None
+
+    def set(self) -> None:
+        self._set = True
+        if self._future is not None and not self._future.done():
+            self._future.set_result(None)
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def clear(self) -> None:
+        self._set = False
+
+    def future(self) -> asyncio.Future[None]:
+        """Done at the next `set` (at once if set now)."""
+        if self._future is None or self._future.done():
+            self._future = asyncio.get_running_loop().create_future()
+            if self._set:
+                self._future.set_result(None)
+        return self._future
+
+
 class EventConsumer:
     def __init__(self, settings: KafkaSettings, *, topics: tuple[TopicSpec, ...], group: str,
                  writer: RawWriter, listener: ConsumerRebalanceListener | None = None,
@@ -60,6 +89,9 @@ class EventConsumer:
         self.fetched: set[TopicPartition] = set()  # partitions the last `batch` had records of
         # Whether the last `batch` was woken before its fetch returned: no position moved.
         self.woken = False
+        # Whether the last `batch` surely suspended (let the loop run others): it waited for
+        # a fetch or a wake. One served from aiokafka's buffer may not have.
+        self.waited = False
         # Every app label the group's members announced at the last rebalance (membership).
         self.group_apps: dict[str, int] = {}
         self._topics = [t.name(settings.topic_prefix) for t in topics]
@@ -165,7 +197,7 @@ class EventConsumer:
                 yield delivery
 
     async def batch(self, timeout_ms: int = FETCH_TIMEOUT_MS,
-                    wake: asyncio.Event | None = None,
+                    wake: asyncio.Event | Wake | None = None,
                     folded: Callable[[str, int, int], bool] | None = None) -> list[Delivery]:
         """The valid events of one fetch (possibly none), invalid ones dead-lettered. With
         `wake`, a quiet fetch ends early (with nothing) once it is set, and one that starts
@@ -189,9 +221,9 @@ class EventConsumer:
             return [self._consumer]
         return [self._consumer, self._prompt.consumer]
 
-    async def _fetch(self, timeout_ms: int,
-                     wake: asyncio.Event | None) -> dict[TopicPartition, list[ConsumerRecord]]:
-        self.woken = False
+    async def _fetch(self, timeout_ms: int, wake: asyncio.Event | Wake | None,
+                     ) -> dict[TopicPartition, list[ConsumerRecord]]:
+        self.woken = self.waited = False
         readers = self._readers()
         if wake is not None and wake.is_set():
             wake.clear()
@@ -199,10 +231,15 @@ class EventConsumer:
         if len(readers) == 1 and (wake is None or timeout_ms == 0):
             return await readers[0].getmany(timeout_ms=timeout_ms,
                                             max_records=FETCH_RECORDS_MAX)
+        self.waited = True  # on tasks just made: they run only once this coroutine suspends
         getters = [asyncio.ensure_future(r.getmany(timeout_ms=timeout_ms,
                                                    max_records=FETCH_RECORDS_MAX))
                    for r in readers]
-        waker = asyncio.ensure_future(wake.wait()) if wake is not None else None
+        waker: asyncio.Future[Any] | None = None
+        if isinstance(wake, Wake):
+            waker = wake.future()  # kept for the next batch if not set meanwhile
+        elif wake is not None:
+            waker = asyncio.ensure_future(wake.wait())
         try:
             await asyncio.wait([*getters, *([waker] if waker else [])],
                                return_when=asyncio.FIRST_COMPLETED)
@@ -211,7 +248,7 @@ class EventConsumer:
                 getter.cancel()
             raise
         finally:
-            if waker is not None:
+            if waker is not None and not isinstance(wake, Wake):
                 waker.cancel()
         if wake is not None:
             wake.clear()
