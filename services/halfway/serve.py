@@ -13,8 +13,8 @@ Both then have little to fetch from the journal that they have not folded alread
 reconciler's settlements, steps of deciders or executors elsewhere), so they let the broker
 gather those fetches for WORKER_GATHER_MS: a fetch per window, not one per journal record.
 The decider still reads requests at once, with a consumer of their own (`EventConsumer`'s
-`prompt`). A sequential 3-step task: worker CPU 16 -> 10.5 ms, broker CPU 6.5-9 -> 4.5-5 ms,
-start to finished 18-19 -> 12.7-13.5 ms (benchmarks/side_by_side.py's task, this machine).
+`prompt`). benchmarks/side_by_side.py's 3-step task, one worker alone, sequential: worker CPU
+16 -> 10.5 ms, broker CPU 6.5-9 -> 4.5-5 ms, start to finished 18-19 -> 12.7-13.5 ms.
 """
 
 from __future__ import annotations

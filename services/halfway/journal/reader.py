@@ -45,7 +45,7 @@ QUIET_FETCH_WAIT_MS = 100
 
 
 class Wake:
-    """An asyncio.Event for `EventConsumer.batch` that hands out a plain future for its next
+    """What an asyncio.Event does for `EventConsumer.batch`, plus a plain future for its next
     `set`: a batch waits on it without a task of its own (a follower's loop wakes for every
     local append, so this is paid per journal event)."""
 
