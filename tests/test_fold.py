@@ -105,6 +105,34 @@ def test_events_of_a_step_never_intended_are_kept_and_applied_when_it_appears() 
     assert state.step(1).status is StepStatus.IN_FLIGHT
 
 
+def test_an_attempt_counts_only_for_the_decision_it_names() -> None:
+    """A worker journals its decision with the first attempt (`intent_id`). When the log did
+    not take that decision, the attempt is nobody's: not the step's another decider placed
+    first, not kept as an orphan for a later decision of the step."""
+    s = Stamper(TASK)
+    first = s.intended(1)
+    late = s.intended(1, args={"invoice": "INV-2291", "amount_cents": 1})
+    late_attempt = s.attempted(1, 1).model_copy(update={"intent_id": late.event_id})
+    state = fold([s.started(), first, late, late_attempt])
+    assert state.step(1).intent == first
+    assert state.step(1).effect.attempts == ()  # the first decision is still to be attempted
+    assert any("never counted" in a for a in state.anomalies)
+    own = s.attempted(1, 1).model_copy(update={"intent_id": first.event_id})
+    assert apply(state, own).step(1).effect.attempts == (own,)
+
+    # Written after the task finished: the decision is refused, its attempt not kept.
+    state = fold([s.started(), s.finished(), late, late_attempt])
+    assert state.step(1) is None
+    assert state.orphans == ()
+    assert any("never counted" in a for a in state.anomalies)
+
+    # An orphan that names its decision is adopted by that decision only.
+    state = fold([s.started(), late_attempt])
+    assert state.orphans == (late_attempt,)
+    assert apply(state, first).step(1).effect.attempts == ()
+    assert apply(state, late).step(1).effect.attempts == (late_attempt,)
+
+
 def test_start_after_reject_is_an_anomaly_not_a_start() -> None:
     s = Stamper(TASK)
     state = fold([s.requested(), s.rejected("tool not allowed"), s.started()])

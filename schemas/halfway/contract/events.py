@@ -314,6 +314,11 @@ class StepAttempted(_StepEvent):
     attempt: int = Field(ge=1)
     key: Key
     started_at: AwareDatetime
+    intent_id: str | None = Field(
+        None, min_length=1, max_length=64,
+        description="The `event_id` of the `step.intended` this attempt carries out. It counts "
+                    "only for that decision: an attempt journaled together with a decision "
+                    "the log did not take (a paused worker's) is never an attempt of the step.")
 
     @model_validator(mode="after")
     def _key_is_the_steps(self) -> Self:

@@ -38,6 +38,7 @@ class Effect:
     # A step never sent that must not be sent any more (its task was aborted or its saga is
     # being undone), and why; settled `not_done` instead of called.
     called_off: str | None = None
+    intent_id: str | None = None  # a step's: the decision its attempts carry out
 
     @property
     def move_id(self) -> str:
@@ -46,9 +47,11 @@ class Effect:
 
     def attempted(self, stamp: dict[str, Any], attempt: int,
                   started_at: datetime) -> StepAttempted | CompensationAttempted:
-        kind = CompensationAttempted if self.undo else StepAttempted
-        return kind(**stamp, step_id=self.step_id, attempt=attempt, key=self.key,
-                    started_at=started_at)
+        if self.undo:
+            return CompensationAttempted(**stamp, step_id=self.step_id, attempt=attempt,
+                                         key=self.key, started_at=started_at)
+        return StepAttempted(**stamp, step_id=self.step_id, attempt=attempt, key=self.key,
+                             started_at=started_at, intent_id=self.intent_id)
 
     def settled(self, stamp: dict[str, Any], **fields: Any) -> StepSettled | CompensationSettled:
         kind = CompensationSettled if self.undo else StepSettled
@@ -67,7 +70,8 @@ def effects_to_work(state: TaskState, now: datetime) -> list[Effect]:
     for step in sorted(state.steps.values(), key=lambda s: s.n):
         intent = step.intent
         out.append(Effect(False, intent.task_id, step.step_id, intent.tool, intent.args,
-                          intent.key, step.effect, saga.called_off(state, step)))
+                          intent.key, step.effect, saga.called_off(state, step),
+                          intent.event_id))
         plan = step.compensation
         if plan is not None and saga.undo_may_run(state, step):
             out.append(Effect(True, intent.task_id, step.step_id, plan.tool, plan.args,

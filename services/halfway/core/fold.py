@@ -11,8 +11,9 @@ harmless with three rules:
 1. A redelivered record (an `event_id` already applied) changes nothing.
 2. First in log wins for any (step, kind, attempt): the first `step.intended` of a step is the
    decision (a later one, even with other args, is ignored: a decision written twice is decided
-   once); the first `step.attempted` of an attempt number is that attempt; the same for the task
-   events and for compensations.
+   once); the first `step.attempted` of an attempt number is that attempt (one that names
+   another decision than the step's, `intent_id`, is not the step's at all); the same for the
+   task events and for compensations.
 3. Settlements: a step's outcome is its first definitive settlement (`done` or `not_done`).
    An `unknown` is only ever replaced by a definitive one, and a definitive one is never
    replaced. A later definitive settlement that contradicts it is kept in `contradictions` and
@@ -471,6 +472,14 @@ StepEvent = (
 def _apply_to_step(state: TaskState, event: StepEvent) -> TaskState:
     _, n = parse_step_id(event.step_id)
     step = state.steps.get(n)
+    if isinstance(event, StepAttempted) and event.intent_id is not None and \
+            (step is None or event.intent_id != step.intent.event_id) and \
+            (step is not None or any(refused.event.event_id == event.intent_id
+                                     for refused in state.not_accepted)):
+        # Journaled with a decision the log did not take (a paused worker's pair): it was
+        # never the step's attempt, and its executor, which reads the log first, never sent it.
+        return _note(state, event, f"an attempt of decision {event.intent_id}, which the log "
+                     f"did not take for step {event.step_id}; never counted")
     if step is None:
         if isinstance(event, StepSettled | CompensationSettled):
             # Never adopted: a verdict older than its decision is not about that decision.
