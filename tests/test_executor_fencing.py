@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from halfway.contract import EffectClass, Event, Outcome
+from halfway.contract import EffectClass, Event, Outcome, StepIntended
 from halfway.core.effects import effects_to_work
 from halfway.core.fold import TaskState, fold
 from halfway.core.next_action import Call, StepPolicy
-from halfway.executor.service import Executor
+from halfway.executor.service import Executor, NotPlaced
 from halfway.settings import KafkaSettings
 from halfway.tools.registry import Registry, Tool
 from halfway.tools.spec import CallContext, Succeeded, ToolSpec
@@ -66,11 +66,18 @@ class Writer:
 
     events: list[Event] = field(default_factory=list)
     pause_s: float = 0.0
+    appends: list[int] = field(default_factory=list)  # events per append
+    fails: Exception | None = None
+    entered: asyncio.Event = field(default_factory=asyncio.Event)  # an append has begun
 
-    async def append(self, event: Event) -> Meta:
+    async def append_all(self, events: Sequence[Event]) -> list[Meta]:
+        self.entered.set()
         await asyncio.sleep(self.pause_s)
-        self.events.append(event)
-        return Meta(0, len(self.events) - 1)
+        if self.fails is not None:
+            raise self.fails
+        self.appends.append(len(events))
+        self.events.extend(events)
+        return [Meta(0, len(self.events) - len(events) + i) for i in range(len(events))]
 
 
 @dataclass
@@ -81,10 +88,15 @@ class Follower:
     first: Callable[[], list[Event]] = lambda: []  # what another executor wrote first
     applied_ok: bool = True
     states: dict[str, TaskState] = field(default_factory=dict)
+    cut: int = 1  # the last records of the log, which came after what another wrote first
 
     async def applied(self, partition: int, offset: int, timeout_s: float) -> bool:
-        self.states = {"mail-1": fold([*self.log[:-1], *self.first(), *self.log[-1:]])}
+        cut = len(self.log) - self.cut
+        self.states = {"mail-1": fold([*self.log[:cut], *self.first(), *self.log[cut:]])}
         return self.applied_ok
+
+    def owns(self, task_id: str) -> bool:
+        return True
 
     def note_write(self, task_id: str, partition: int, offset: int) -> None:
         pass
@@ -186,3 +198,97 @@ async def test_executors_that_lack_a_tool_say_so_once_and_do_not_answer_each_oth
     said = [(e.app, e.undo) for e in log if e.type == "step.unserved"]
     assert said == [("flights@1", False), ("hotels@2", False)]
     assert fold(log).step(1).unserved.app == "hotels@2"  # type: ignore[union-attr]
+
+
+def handed(effect_class: EffectClass) -> tuple[Executor, Writer, Provider, StepIntended]:
+    """An executor whose fold has the task started, and a decision its decider hands over."""
+    ex, writer, provider, s = executor(effect_class)
+    del writer.events[1:]  # the decision is not journaled yet
+    ex.follower.states = {"mail-1": fold(writer.events)}  # type: ignore[misc]
+    ex.follower.cut = 2  # type: ignore[attr-defined]  # the pair
+    intent = s.intended(1, tool="send_mail", args={"to": "a@b.c"}, effect_class=effect_class,
+                        subject=None)
+    return ex, writer, provider, intent
+
+
+async def moves_done(ex: Executor) -> None:
+    await asyncio.gather(*ex._moves.values(), return_exceptions=True)
+
+
+@pytest.mark.parametrize("effect_class", [EffectClass.KEYED, EffectClass.UNKEYED])
+async def test_a_decision_handed_over_is_journaled_with_its_first_attempt_in_one_append(
+        effect_class: EffectClass) -> None:
+    ex, writer, provider, intent = handed(effect_class)
+    meta = await ex.place(intent)
+    assert meta is not None
+    assert meta.offset == 1  # the decision's record, for the decider
+    await moves_done(ex)
+    assert writer.appends == [2, 1]  # decision + attempt together; then the settlement
+    assert [e.type for e in writer.events[1:3]] == ["step.intended", "step.attempted"]
+    assert provider.sent == ["mail-1:1"]
+    step = fold(writer.events).step(1)
+    assert step is not None
+    assert step.effect.outcome is Outcome.DONE
+    assert step.effect.attempts[0].intent_id == intent.event_id
+
+
+@pytest.mark.parametrize("effect_class", [EffectClass.KEYED, EffectClass.UNKEYED])
+@pytest.mark.parametrize("meanwhile", ["another decision of the step", "the task finished"])
+async def test_a_paused_workers_pair_is_never_sent_when_the_log_did_not_take_its_decision(
+        effect_class: EffectClass, meanwhile: str) -> None:
+    """The worker paused between deciding and its append; meanwhile another decider placed
+    the step (rule 2: the first decision is the decision) or finished the task. Its pair lands
+    late: the attempt is not sent, and the fold never counts it as the step's."""
+    ex, writer, provider, intent = handed(effect_class)
+    s = Stamper("mail-1")
+    other = s.intended(1, tool="send_mail", args={"to": "x@y.z"}, effect_class=effect_class,
+                       subject=None)
+    first = [other] if meanwhile == "another decision of the step" else [s.finished()]
+    ex.follower.first = lambda: first  # type: ignore[attr-defined]
+    assert await ex.place(intent) is not None
+    await moves_done(ex)
+    assert provider.sent == []
+    state = fold([writer.events[0], *first, *writer.events[1:]])
+    step = state.step(1)
+    assert step is None or (step.intent.event_id == other.event_id
+                            and not step.effect.attempts)
+    assert not state.orphans  # nothing waits to be adopted by a later decision
+    assert any("never counted" in a for a in state.anomalies)
+
+
+async def test_a_decision_is_handed_back_when_this_executor_would_not_attempt_it_now() -> None:
+    ex, writer, provider, intent = handed(EffectClass.KEYED)
+    assert await ex.place(intent.model_copy(update={"tool": "elsewhere"})) is None  # not served
+    ex.follower.states = {}  # type: ignore[misc]  # the task is not in this executor's fold
+    assert await ex.place(intent) is None
+    assert writer.events[1:] == []
+    assert provider.sent == []
+
+
+async def test_a_failed_append_of_a_handed_over_decision_reaches_the_decider() -> None:
+    ex, writer, provider, intent = handed(EffectClass.KEYED)
+    writer.fails = ConnectionError("the broker is away")
+    with pytest.raises(ConnectionError):
+        await ex.place(intent)
+    await moves_done(ex)
+    assert provider.sent == []
+    assert writer.events[1:] == []
+
+    ex, writer, provider, intent = handed(EffectClass.KEYED)
+    writer.pause_s = 60
+    placing = asyncio.create_task(ex.place(intent))
+    await asyncio.sleep(0)  # the move is made, not yet begun
+    (move,) = ex._moves.values()
+    move.cancel()  # the executor stops
+    with pytest.raises(NotPlaced):
+        await placing
+
+    ex, writer, provider, intent = handed(EffectClass.KEYED)
+    writer.pause_s = 60
+    placing = asyncio.create_task(ex.place(intent))
+    await writer.entered.wait()  # the move is in its append
+    for move in ex._moves.values():
+        move.cancel()
+    with pytest.raises(NotPlaced):
+        await placing
+    assert provider.sent == []

@@ -151,6 +151,8 @@ async def test_a_worker_runs_tasks_and_mixes_with_a_separate_executor(core: Clus
     states = await core.journal.until_finished(first)
     assert all(s.final_state is FinalState.SUCCEEDED for s in states.values())
     assert worker.logged("partitions assigned")
+    # Its decider hands a step to its executor, which journals it with its first attempt.
+    assert any(e.get("attempted") for e in worker.logged("step decided"))
 
     # Both its parts let the broker gather journal fetches (what they need fast is folded
     # in-process); its decider reads requests at once, with a consumer of their own.

@@ -13,8 +13,11 @@ Both then have little to fetch from the journal that they have not folded alread
 reconciler's settlements, steps of deciders or executors elsewhere), so they let the broker
 gather those fetches for WORKER_GATHER_MS: a fetch per window, not one per journal record.
 The decider still reads requests at once, with a consumer of their own (`EventConsumer`'s
-`prompt`). benchmarks/side_by_side.py's 3-step task, one worker alone, sequential: worker CPU
-16 -> 10.5 ms, broker CPU 6.5-9 -> 4.5-5 ms, start to finished 18-19 -> 12.7-13.5 ms.
+`prompt`). And the decider hands each step it decides to the executor (`Executor.place`),
+which journals the decision with its first attempt in one append when it would attempt it at
+once. benchmarks/side_by_side.py's 3-step task, one worker alone, sequential: worker CPU
+16 -> 10.5 ms, broker CPU 6.5-9 -> 4.5-5 ms, start to finished 18-19 -> 12.7-13.5 ms (the
+gathered fetches).
 """
 
 from __future__ import annotations
@@ -52,35 +55,43 @@ WORKER_GATHER_MS = 100
 
 
 async def run_service(name: Service, settings: KafkaSettings, registry: Registry,
-                      model: Model | None = None, *, app: App | None = None,
-                      in_worker: bool = False) -> None:
-    """Run one service until cancelled. `app` (when given) names what is served: its
-    instructions go to the model, its label into the journal. `in_worker`: a part of a
-    worker, whose decider is in this process."""
+                      model: Model | None = None, *, app: App | None = None) -> None:
+    """Run one service until cancelled (a worker: both its parts, each with its own writer
+    and principal). `app` (when given) names what is served: its instructions go to the
+    model, its label into the journal."""
     from halfway import settings as env
     from halfway.decider.service import Decider
     from halfway.executor.service import Executor
+    from halfway.journal.follower import run_until_cancelled
     from halfway.outcomes.service import OutcomesPublisher
     from halfway.reconciler.service import Reconciler
 
     label = app.label if app is not None else "unnamed"
+    instructions = app.instructions if app is not None else ""
+    if name is Service.WORKER:
+        decider_settings = settings.as_kind(Service.DECIDER.value)
+        executor_settings = settings.as_kind(Service.EXECUTOR.value)
+        async with JournalWriter(decider_settings) as decider_writer, \
+                JournalWriter(executor_settings) as executor_writer:
+            executor = Executor(executor_settings, registry, executor_writer, app_label=label,
+                                gather_ms=WORKER_GATHER_MS)
+            decider = Decider(decider_settings, registry, model or ScriptedModel(),
+                              decider_writer, instructions=instructions, app_label=label,
+                              gather_ms=WORKER_GATHER_MS, hand=executor)
+            await run_until_cancelled(executor.run(), decider.run())
+        return
     async with JournalWriter(settings) as writer:
         match name:
             case Service.DECIDER:
                 await Decider(settings, registry, model or ScriptedModel(), writer,
-                              instructions=app.instructions if app is not None else "",
-                              app_label=label,
-                              gather_ms=WORKER_GATHER_MS if in_worker else 0).run()
+                              instructions=instructions, app_label=label).run()
             case Service.EXECUTOR:
-                await Executor(settings, registry, writer, app_label=label,
-                               gather_ms=WORKER_GATHER_MS if in_worker else 0).run()
+                await Executor(settings, registry, writer, app_label=label).run()
             case Service.RECONCILER:
                 await Reconciler(settings, registry, writer,
                                  lookups=env.reconciler_lookups(), app_label=label).run()
             case Service.OUTCOMES:
                 await OutcomesPublisher(settings, writer).run()
-            case Service.WORKER:
-                raise ValueError("a worker runs its parts: see PARTS")
 
 
 def stop_on_signals() -> None:
@@ -107,12 +118,8 @@ async def serve(name: Service, *, app: App, model: Model | None = None) -> None:
         model=None if model is None else model.name, bootstrap=settings.bootstrap,
         prefix=settings.topic_prefix)
     try:
-        async with asyncio.TaskGroup() as group:  # the first to fail stops the others
-            for part in parts:
-                group.create_task(run_service(
-                    part, settings.as_kind(part.value), registry,
-                    model if part is Service.DECIDER else None, app=app,
-                    in_worker=name is Service.WORKER))
+        await run_service(name, settings, registry,
+                          model if Service.DECIDER in parts else None, app=app)
     except asyncio.CancelledError:
         log.get("halfway.serve").info("service stopped", service=name.value)
     finally:

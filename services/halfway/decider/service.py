@@ -19,6 +19,10 @@ never became its step, only after the task's journal accepted its withdrawal
 `halfway.core.guard`). A failing saga's undos are journaled here (`Compensate`); the executor
 performs them.
 
+In a worker the decider hands each step it decides to the executor of its process first
+(`hand`, `Executor.place`), which journals it together with the step's first attempt when it
+would attempt it at once: a step then costs one append less.
+
 Nothing one task holds stops the others (`JournalFollower.for_each`): a task whose move keeps
 failing is tried again with backoff, and after FAILURES_MAX failures finished
 `needs_attention` with the error. A request too large to copy into the journal is rejected.
@@ -30,7 +34,9 @@ from __future__ import annotations
 import asyncio
 import time
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
+
+from aiokafka.structs import RecordMetadata
 
 from halfway import log, metrics, tracing
 from halfway import settings as env
@@ -100,14 +106,24 @@ TOOL_NAME_CHARS_MAX = 200  # of a proposed tool name, as journaled in a refusal
 ERROR_CHARS_MAX = 1000  # of an error, in the summary of a task given up on
 
 
+class Hand(Protocol):
+    """Who may journal a decided step for the decider, with its first attempt (a worker's
+    executor): the decision's record, or None to let the decider journal it alone."""
+
+    async def place(self, intent: StepIntended) -> RecordMetadata | None: ...
+
+
 class Decider:
     def __init__(self, settings: KafkaSettings, registry: Registry, model: Model,
                  writer: JournalWriter, *, group: str | None = None, instructions: str = "",
-                 app_label: str | None = None, gather_ms: int = 0) -> None:
+                 app_label: str | None = None, gather_ms: int = 0,
+                 hand: Hand | None = None) -> None:
         """`gather_ms`: how long the broker may hold a fetch of the journal to gather records
         (a worker's decider: it folds its executor's appends as they are acknowledged); new
-        requests on the tasks topic are fetched at once either way."""
+        requests on the tasks topic are fetched at once either way. `hand`: the executor of
+        this process, offered each decided step first."""
         self.registry = registry
+        self.hand = hand
         self.model = model
         self.writer = writer
         self.instructions = instructions  # the app's system prompt
@@ -381,8 +397,13 @@ class Decider:
                 return
             failpoint("decider.claimed", task_id)  # tests: a pause right here
         intent = StepIntended(**stamp(task_id), **fields, decided_by=decided_by)
-        await self._write(intent)
-        self._log.info("step decided", tool=intent.tool, key=intent.key)
+        placed = None if self.hand is None else await self.hand.place(intent)
+        if placed is None:
+            await self._write(intent)
+        else:
+            self._wrote(intent, placed)
+        self._log.info("step decided", tool=intent.tool, key=intent.key,
+                       attempted=placed is not None)
 
     async def _refuse(self, task_id: str, n: int, proposal: Any, reason: str,
                       decided_by: DecidedBy, blocked: SubjectHeld | None = None) -> None:
@@ -434,7 +455,10 @@ class Decider:
                                        summary=f"halfway could not move this task: {error}"))
 
     async def _write(self, event: Event) -> None:
-        meta = await self.writer.append(event)
+        self._wrote(event, await self.writer.append(event))
+
+    def _wrote(self, event: Event, meta: RecordMetadata) -> None:
+        """`event` is journaled at `meta`: the task is held until the fold has it."""
         self.follower.note_write(event.task_id, meta.partition, meta.offset)
         tracing.record(event)  # on the decision's span, when traced
 

@@ -16,6 +16,12 @@ decider never becomes a step). A paused executor is fenced too: an attempt is se
 `send_window_s` of its journaled start (checked just before sending), and an `unkeyed` tool,
 which nothing at the provider dedupes, is sent only by the executor whose `step.attempted` is
 first in the log for that attempt (it waits until its own fold has read its write back).
+
+In a worker, the decider hands each decision here before journaling it (`place`): when this
+executor would attempt the step at once, the decision and its first attempt are journaled in
+one append, and the call is sent only once this executor's fold has read both back and took
+them (the decision accepted, the attempt first in the log for it), so a paused worker's late
+pair is fenced exactly as a late decision is.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from aiokafka.structs import RecordMetadata
@@ -34,13 +41,14 @@ from halfway.contract import (
     Event,
     Outcome,
     SettlementSource,
+    StepIntended,
     StepUnserved,
     parse_step_id,
 )
 from halfway.core.args import parse_args
 from halfway.core.classify import NotSent, Replied, TimedOut, classify
 from halfway.core.effects import Effect, effects_to_work
-from halfway.core.fold import Attempt
+from halfway.core.fold import Attempt, apply
 from halfway.core.next_action import (
     Action,
     Call,
@@ -52,6 +60,7 @@ from halfway.core.next_action import (
     Wait,
     next_action,
 )
+from halfway.failpoints import failpoint
 from halfway.journal import JournalWriter
 from halfway.journal.follower import JournalFollower
 from halfway.journal.records import stamp
@@ -70,6 +79,27 @@ CONFIRM_TIMEOUT_S = 10.0
 # and two sayers (a step and its undo, or executors of two apps) would otherwise answer each
 # other's records forever.
 UNSERVED_SAID_MAX = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class Placing:
+    """A decision handed over by this process's decider (`Executor.place`), journaled with
+    the step's first attempt; `journaled` gets the decision's record, or why it is not."""
+
+    intent: StepIntended
+    journaled: asyncio.Future[RecordMetadata]
+
+    def tell(self, outcome: RecordMetadata | BaseException) -> None:
+        if self.journaled.done():
+            return  # the decider stopped waiting
+        if isinstance(outcome, BaseException):
+            self.journaled.set_exception(outcome)
+        else:
+            self.journaled.set_result(outcome)
+
+
+class NotPlaced(Exception):
+    """The executor stopped before a handed-over decision was journaled."""
 
 
 class Executor(StepWorker):
@@ -120,6 +150,30 @@ class Executor(StepWorker):
             case _:
                 self.start_move(effect, self._move(effect, tool, action))
 
+    async def place(self, intent: StepIntended) -> RecordMetadata | None:
+        """A worker's decider hands its decision here before journaling it. When this
+        executor would attempt the step at once (its tool served here, its task's partition
+        ours, nothing calling it off), the decision and the first attempt are journaled
+        together, one round trip instead of two in series, and the call follows as for any
+        attempt: returns the decision's record. None: the decider journals it alone."""
+        task_id = intent.task_id
+        state = self.follower.states.get(task_id)
+        tool = self.registry.get(intent.tool)
+        if state is None or tool is None or not self.follower.owns(task_id):
+            return None
+        now = datetime.now(UTC)
+        effect = next((e for e in effects_to_work(apply(state, intent), now)
+                       if e.step_id == intent.step_id and not e.undo), None)
+        if effect is None or effect.called_off is not None or self.busy(effect) or \
+                next_action(effect.state, tool.spec.policy(), now) != Call(1):
+            return None
+        placing = Placing(intent, asyncio.get_running_loop().create_future())
+        self.start_move(effect, self._move(effect, tool, Call(1), placing))
+        # However the move ends (cancelled even before it began), the decider hears of it.
+        self._moves[effect.move_id].add_done_callback(
+            lambda _: placing.tell(NotPlaced("the executor stopped before journaling it")))
+        return await placing.journaled
+
     def _unserved(self, effect: Effect) -> None:
         """A step for a tool this executor's app does not have: say so in the task's journal
         (once per app), so its status shows what it waits for, instead of a silent stall."""
@@ -142,31 +196,41 @@ class Executor(StepWorker):
         if len(self._unserved_said) > UNSERVED_SAID_MAX:
             self._unserved_said.popitem(last=False)
 
-    async def _move(self, effect: Effect, tool: Tool | None, action: Action) -> None:
+    async def _move(self, effect: Effect, tool: Tool | None, action: Action,
+                    placing: Placing | None = None) -> None:
         with log.bound(task_id=effect.task_id, step_id=effect.step_id, undo=effect.undo), \
                 tracing.span("halfway.attempt" if isinstance(action, Call)
                              else "halfway.settlement", effect.task_id, effect.step_id,
                              undo=effect.undo, tool=effect.tool, action=type(action).__name__):
             try:
                 async with self._slots:
-                    await self._perform(effect, tool, action)
-            except Exception:
+                    await self._perform(effect, tool, action, placing)
+            except Exception as exc:
+                if placing is not None:
+                    placing.tell(exc)  # the decider tries again, as after its own failed write
                 # The journal is unchanged by a move that failed before its write; the effect
                 # is considered again after a rest and the move is retried.
                 self._log.exception("move failed", action=type(action).__name__)
                 raise MoveFailed from None
 
-    async def _perform(self, effect: Effect, tool: Tool | None, action: Action) -> None:
+    async def _perform(self, effect: Effect, tool: Tool | None, action: Action,
+                       placing: Placing | None = None) -> None:
         task_id = effect.task_id
         match action:
             case Call(attempt=n):
                 assert tool is not None
                 spec = tool.spec
                 attempted = effect.attempted(stamp(task_id), n, datetime.now(UTC))
-                meta = await self._write(attempted)
+                if placing is None:
+                    meta = await self._write(attempted)
+                else:
+                    failpoint("executor.placing", task_id)  # tests: a worker paused here
+                    decided, meta = await self._write_all(placing.intent, attempted)
+                    placing.tell(decided)
                 # Write before acting: from here on, a crash leaves "attempted, no outcome".
                 args = parse_args(spec.args_model, dict(effect.args))
-                if not await self._may_send(effect, spec.effect_class, attempted, meta):
+                if not await self._may_send(effect, spec.effect_class, attempted, meta,
+                                            placing):
                     return
                 late_s = (datetime.now(UTC) - attempted.started_at).total_seconds()
                 if late_s > spec.policy().send_window_s:
@@ -217,17 +281,23 @@ class Executor(StepWorker):
                 raise AssertionError(f"unexpected action {action!r}")
 
     async def _may_send(self, effect: Effect, effect_class: EffectClass, attempted: Attempt,
-                        meta: RecordMetadata) -> bool:
+                        meta: RecordMetadata, placing: Placing | None) -> bool:
         """An unkeyed attempt goes out only from the executor whose record of it is first in
         the log: two executors (one paused, one that took over) may both have journaled it,
-        and nothing at the provider would tell their requests apart."""
-        if effect_class is not EffectClass.UNKEYED:
+        and nothing at the provider would tell their requests apart. An attempt journaled
+        with its decision (`place`) goes out only if the log took that decision: a worker
+        paused before its append may find the task finished, or the step decided by another."""
+        if effect_class is not EffectClass.UNKEYED and placing is None:
             return True  # the provider dedupes every copy by our key
         if not await self.follower.applied(meta.partition, meta.offset, CONFIRM_TIMEOUT_S):
             self._log.warning("not sent: the partition moved before the attempt was confirmed")
             return False
         state = self.follower.states.get(effect.task_id)
         step = state.step(parse_step_id(effect.step_id)[1]) if state is not None else None
+        if placing is not None and (step is None or
+                                    step.intent.event_id != placing.intent.event_id):
+            self._log.warning("not sent: the log did not take the decision journaled with it")
+            return False
         known = None if step is None else (step.undo if effect.undo else step.effect)
         first = next((a for a in (known.attempts if known else ())
                       if a.attempt == attempted.attempt), None)
@@ -238,7 +308,13 @@ class Executor(StepWorker):
         return True
 
     async def _write(self, event: Event) -> RecordMetadata:
-        meta = await self.writer.append(event)
-        self.follower.note_write(event.task_id, meta.partition, meta.offset)
-        tracing.record(event)  # on the attempt's span, when traced
-        return meta
+        return (await self._write_all(event))[0]
+
+    async def _write_all(self, *events: Event) -> list[RecordMetadata]:
+        """Journal events of one task, in one append; hold the task until they are folded."""
+        metas = await self.writer.append_all(events)
+        last = metas[-1]
+        self.follower.note_write(events[-1].task_id, last.partition, last.offset)
+        for event in events:
+            tracing.record(event)  # on the attempt's span, when traced
+        return metas

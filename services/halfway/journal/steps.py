@@ -81,7 +81,9 @@ class StepWorker:
                     self._resting.pop(effect.move_id, None)
                     self.follower.touch(effect.task_id)
 
-        self._moves[effect.move_id] = asyncio.create_task(run_then_release())
+        task = self._moves[effect.move_id] = asyncio.create_task(run_then_release())
+        if asyncio.iscoroutine(move):  # a move cancelled before it began is closed, not lost
+            task.add_done_callback(lambda _: move.close())
 
     def _rest(self, effect: Effect) -> None:
         failures = self._resting.pop(effect.move_id, (0, 0.0))[0] + 1
