@@ -48,9 +48,10 @@ How to read the table:
   and reading `task.finished`), as the others' include their HTTP front.
 - the ratios divide halfway's overhead per step by the floor (how many journal round trips a
   step costs, in effect), by halfway's critical path per step (the round trips a halfway task
-  cannot do without, in series: its request's hop to the decider, 2 + 3 per step appends,
-  and the hop of `task.finished` to the caller, each at the floor's p50; divided by the
-  steps) and by each peer's overhead per step (above 1: halfway adds more).
+  cannot do without, in series: its request's hop to the decider, 2 + 3 per step appends (a
+  worker's: 2 + 2 per step, a decision goes with its first attempt), and the hop of
+  `task.finished` to the caller, each at the floor's p50; divided by the steps; a peer's
+  against halfway-w's) and by each peer's overhead per step (above 1: halfway adds more).
 - CPU per task: CPU time (utime+stime from /proc) of each process over all of a system's
   phases, divided by that system's tasks: halfway's decider, executor, reconciler and the Kafka
   broker; restate-server and the service; the DBOS app and PostgreSQL (the backends of its
@@ -108,8 +109,8 @@ STEPS = 3
 SCRIPT = [{"tool": "make_thing", "args": {"n": n}} for n in range(1, STEPS + 1)]
 # A halfway task's journal round trips in series: task.started, then intended, attempted and
 # settled per step, then task.finished; the request's hop to the decider and the finish's to
-# the caller.
-JOURNAL_APPENDS = 2 + 3 * STEPS
+# the caller. A worker journals each step's decision with its first attempt: one append.
+JOURNAL_APPENDS = {"halfway": 2 + 3 * STEPS, "halfway-w": 2 + 2 * STEPS}
 JOURNAL_HOPS = 2
 TASK_TIMEOUT_S = 60.0  # one task, start to finished (the first one waits for the services)
 INFLIGHT_TIMEOUT_S = 120.0  # one of the tasks started at once
@@ -834,20 +835,24 @@ def report(systems: list[System], floor: Floor, args: argparse.Namespace, second
     # What a halfway task cannot do without, in series: its request's hop to the decider,
     # the journal appends before and after each step's call and at its start and end, and the
     # hop of `task.finished` back to the caller.
-    path = (JOURNAL_HOPS * hop50 + JOURNAL_APPENDS * append50) / STEPS
-    print(f"halfway's critical path per step: ({JOURNAL_APPENDS} appends + {JOURNAL_HOPS} "
-          f"hops) / {STEPS} = {path:.3f} ms")
+    paths = {name: (JOURNAL_HOPS * hop50 + appends * append50) / STEPS
+             for name, appends in JOURNAL_APPENDS.items()}
+    for name, appends in JOURNAL_APPENDS.items():
+        print(f"{name}'s critical path per step: ({appends} appends + {JOURNAL_HOPS} hops) / "
+              f"{STEPS} = {paths[name]:.3f} ms")
     print("ratios (overhead per step, p50):")
     for name in PEERS:
         if name not in overhead:
             continue
-        line = (f"  {name:<8} {overhead[name] / append50:6.1f}x an append, "
+        own = paths.get(name, paths["halfway-w"])
+        line = (f"  {name:<9} {overhead[name] / append50:6.1f}x an append, "
                 f"{overhead[name] / hop50:6.1f}x a hop, "
-                f"{overhead[name] / path:5.2f}x halfway's critical path")
+                f"{overhead[name] / own:5.2f}x {name if name in paths else 'halfway-w'}'s "
+                f"critical path")
         others = [f"{overhead[name] / overhead[o]:.2f}x {o}" for o in PEERS
                   if o != name and o in overhead and overhead[o] > 0]
         if name.startswith("halfway") and others:
-            line += "; halfway = " + ", ".join(others)
+            line += f"; {name} = " + ", ".join(others)
         print(line)
     for halfway in systems:
         if isinstance(halfway, Halfway) and hasattr(halfway, "watcher"):
