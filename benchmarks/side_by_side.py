@@ -49,7 +49,7 @@ How to read the table:
 - the ratios divide halfway's overhead per step by the floor (how many journal round trips a
   step costs, in effect), by halfway's critical path per step (the round trips a halfway task
   cannot do without, in series: its request's hop to the decider, 2 + 3 per step appends (a
-  worker's: 2 + 2 per step, a decision goes with its first attempt), and the hop of
+  worker's: 1 + 1 per step, a settlement goes with the next move), and the hop of
   `task.finished` to the caller, each at the floor's p50; divided by the steps; a peer's
   against halfway-w's) and by each peer's overhead per step (above 1: halfway adds more).
 - CPU per task: CPU time (utime+stime from /proc) of each process over all of a system's
@@ -109,8 +109,10 @@ STEPS = 3
 SCRIPT = [{"tool": "make_thing", "args": {"n": n}} for n in range(1, STEPS + 1)]
 # A halfway task's journal round trips in series: task.started, then intended, attempted and
 # settled per step, then task.finished; the request's hop to the decider and the finish's to
-# the caller. A worker journals each step's decision with its first attempt: one append.
-JOURNAL_APPENDS = {"halfway": 2 + 3 * STEPS, "halfway-w": 2 + 2 * STEPS}
+# the caller. A worker with the scripted model journals a task's start with its first step's
+# decision and attempt, and each settlement with the next move (the next step's decision and
+# attempt, or the finish): one append per step, and one more.
+JOURNAL_APPENDS = {"halfway": 2 + 3 * STEPS, "halfway-w": 1 + STEPS}
 JOURNAL_HOPS = 2
 TASK_TIMEOUT_S = 60.0  # one task, start to finished (the first one waits for the services)
 INFLIGHT_TIMEOUT_S = 120.0  # one of the tasks started at once

@@ -95,7 +95,7 @@ class Follower:
         self.states = {"mail-1": fold([*self.log[:cut], *self.first(), *self.log[cut:]])}
         return self.applied_ok
 
-    def owns(self, task_id: str) -> bool:
+    def holds(self, task_id: str) -> bool:
         return True
 
     def note_write(self, task_id: str, partition: int, offset: int) -> None:
@@ -134,7 +134,9 @@ async def close_unused() -> AsyncIterator[None]:
 async def call_once(ex: Executor, writer: Writer) -> None:
     (effect,) = effects_to_work(fold(writer.events), Stamper("mail-1").now)
     tool = ex.registry.get("send_mail")
-    await ex._perform(effect, tool, Call(1))
+    settled = await ex._perform(effect, tool, Call(1))
+    if settled is not None:
+        await ex._settle(settled)
 
 
 async def test_an_unkeyed_attempt_is_sent_only_when_its_record_is_first_in_the_log() -> None:

@@ -10,23 +10,28 @@ charged once whatever runs it.
 from __future__ import annotations
 
 import asyncio
+import uuid
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
-from typing import cast
+from typing import Any, cast
 
 import pytest
 from aiokafka import TopicPartition
 from aiokafka.coordinator.protocol import ConsumerProtocolMemberMetadata
 
-from halfway.contract import FinalState, Outcome
-from halfway.contract.topics import TASKS
-from halfway.core.fold import TaskStatus
+from halfway import App, CallContext
+from halfway.contract import Event, FinalState, Outcome, TaskRequested
+from halfway.contract.topics import JOURNAL, TASKS, TopicSpec
+from halfway.core.fold import TaskStatus, fold
 from halfway.journal import JournalWriter, membership
+from halfway.journal.admin import delete_topics, ensure_topics
 from halfway.journal.follower import LOCAL_AHEAD_MAX, JournalFollower
-from halfway.serve import WORKER_GATHER_MS
+from halfway.models import ScriptedModel
+from halfway.serve import WORKER_GATHER_MS, Service, run_service
 from halfway.settings import KafkaSettings
 from tests.factories import Stamper
 from tests.followers import unstarted
-from tests.processes import Cluster, charges_for, renewal_request
+from tests.processes import Cluster, charges_for, journal_now, renewal_request
 
 pytest_plugins = ["tests.processes"]
 
@@ -221,3 +226,67 @@ async def test_a_move_that_keeps_failing_rests_longer_each_time_and_never_spins(
     await asyncio.sleep(0)
     assert "t-1:1" not in worker._resting
     assert not worker.busy(effect)
+
+
+@pytest.mark.broker
+async def test_a_worker_with_a_scripted_model_journals_each_step_with_the_next_move(
+        kafka_settings: KafkaSettings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scripted model answers without I/O: a worker journals a task's start with step 1's
+    decision and attempt, each settlement with the next step's decision and attempt, and the
+    last with the finish. Four appends in series for three steps, each in log order, each
+    call sent once, and the fold of what is read back is the task done."""
+    app = App(name="carry")
+    sent: list[str] = []
+
+    @app.tool(effect="keyed", key_ttl_s=3600, timeout_s=5.0, evidence_id="thing_id")
+    async def make_thing(n: int, *, ctx: CallContext) -> dict[str, Any]:
+        """Make thing n."""
+        sent.append(ctx.key)
+        return {"thing_id": f"thing-{ctx.key}"}
+
+    @make_thing.lookup
+    async def find_thing(n: int, *, ctx: CallContext) -> dict[str, Any] | None:
+        return {"thing_id": f"thing-{ctx.key}"} if ctx.key in sent else None
+
+    appends: list[list[str]] = []
+    finished = asyncio.Event()
+    append_all = JournalWriter.append_all
+
+    async def recorded(self: JournalWriter, events: Sequence[Event],
+                       spec: TopicSpec = JOURNAL) -> list[Any]:
+        metas = await append_all(self, events, spec)
+        if spec is JOURNAL:
+            appends.append([e.type for e in events])
+            if events[-1].type == "task.finished":
+                finished.set()
+        return metas
+
+    monkeypatch.setattr(JournalWriter, "append_all", recorded)
+    settings = kafka_settings.with_prefix(f"carry-{uuid.uuid4().hex[:8]}.")
+    await ensure_topics(settings)
+    worker = asyncio.create_task(run_service(Service.WORKER, settings, app.registry(),
+                                             ScriptedModel(), app=app))
+    try:
+        task_id = f"carried-{uuid.uuid4().hex[:6]}"
+        async with JournalWriter(settings.as_kind("caller")) as caller:
+            await caller.append(TaskRequested(
+                event_id=uuid.uuid4().hex, task_id=task_id, at=datetime.now(UTC),
+                input={"script": [{"tool": "make_thing", "args": {"n": n}} for n in (1, 2, 3)]},
+                allowed_tools=["make_thing"]), TASKS)
+        async with asyncio.timeout(60):
+            await finished.wait()
+        events = [e for e in await journal_now(settings) if e.task_id == task_id]
+    finally:
+        worker.cancel()
+        await asyncio.gather(worker, return_exceptions=True)
+        await delete_topics(settings)
+    pair = ["step.intended", "step.attempted"]
+    assert appends == [["task.started", *pair], ["step.settled", *pair],
+                       ["step.settled", *pair], ["step.settled", "task.finished"]]
+    assert [e.type for e in events] == [t for batch in appends for t in batch]
+    assert sent == [f"{task_id}:{n}" for n in (1, 2, 3)]
+    state = fold(events, task_id)
+    assert state.final_state is FinalState.SUCCEEDED
+    assert all(step.outcome is Outcome.DONE and
+               step.effect.attempts[0].intent_id == step.intent.event_id
+               for step in state.steps.values())

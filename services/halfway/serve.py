@@ -78,6 +78,7 @@ async def run_service(name: Service, settings: KafkaSettings, registry: Registry
             decider = Decider(decider_settings, registry, model or ScriptedModel(),
                               decider_writer, instructions=instructions, app_label=label,
                               gather_ms=WORKER_GATHER_MS, hand=executor)
+            executor.partner = decider
             await run_until_cancelled(executor.run(), decider.run())
         return
     async with JournalWriter(settings) as writer:

@@ -21,7 +21,11 @@ performs them.
 
 In a worker the decider hands each step it decides to the executor of its process first
 (`hand`, `Executor.place`), which journals it together with the step's first attempt when it
-would attempt it at once: a step then costs one append less.
+would attempt it at once: a step then costs one append less. And with a model that answers
+without I/O (`immediate`: the scripted model, a workflow), a worker's decider makes the next
+move at once on what is about to be journaled, a `task.started` of its own or a settlement its
+executor brings (`follow`), and journals them together (`Carry`): a 3-step task takes 4
+appends in series instead of 11.
 
 Nothing one task holds stops the others (`JournalFollower.for_each`): a task whose move keeps
 failing is tried again with backoff, and after FAILURES_MAX failures finished
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -108,9 +113,22 @@ ERROR_CHARS_MAX = 1000  # of an error, in the summary of a task given up on
 
 class Hand(Protocol):
     """Who may journal a decided step for the decider, with its first attempt (a worker's
-    executor): the decision's record, or None to let the decider journal it alone."""
+    executor), after the events `before` it: the decision's record, or None to let the
+    decider journal it alone."""
 
-    async def place(self, intent: StepIntended) -> RecordMetadata | None: ...
+    async def place(self, intent: StepIntended,
+                    before: tuple[Event, ...] = ()) -> RecordMetadata | None: ...
+
+
+@dataclass
+class Carry:
+    """Events of a task that this process is about to journal (its start, a settlement),
+    carried by the decider's next move for the task: both go in one append. `journaled`: the
+    record of that append's last event, once it went; None: their owner journals them alone
+    (and one that holds the task until its fold has them waits for this record)."""
+
+    events: tuple[Event, ...]
+    journaled: RecordMetadata | None = None
 
 
 class Decider:
@@ -217,9 +235,13 @@ class Decider:
                         f"{TASK_REQUEST_BYTES_MAX} are accepted (its input is copied into the "
                         f"journal)"))
                     return
-                await self._write(TaskStarted(**stamp(task_id), input=request.input,
-                                              allowed_tools=request.allowed_tools,
-                                              policy=request.policy))
+                started = TaskStarted(**stamp(task_id), input=request.input,
+                                      allowed_tools=request.allowed_tools,
+                                      policy=request.policy)
+                carry = Carry((started,))
+                await self._carry_on(task_id, carry)
+                if carry.journaled is None:
+                    await self._write(started)
             case Reject(reason=reason):
                 await self._write(TaskRejected(**stamp(task_id), reason=reason))
             case Abort(reason=reason):
@@ -243,6 +265,50 @@ class Decider:
                 self._asking[(task_id, n)] = asyncio.create_task(self._ask(task_id, n))
             case _:
                 pass  # Hold, Idle, or a question already in flight
+
+    async def follow(self, settled: Event) -> RecordMetadata | None:
+        """This worker's executor has `settled` to journal. When the task's next move, on the
+        fold plus `settled`, can be made at once, it is journaled with it in one append:
+        returns the record of that append's last event. None: the executor journals it."""
+        carry = Carry((settled,))
+        with log.bound(task_id=settled.task_id):
+            await self._carry_on(settled.task_id, carry)
+        return carry.journaled
+
+    async def _carry_on(self, task_id: str, carry: Carry) -> None:
+        """Make the task's next move on its fold plus `carry`, journaled together, when that
+        move needs nothing but this process: the finish, or a question to a model that answers
+        without I/O. Anything else (claims to move, a model to wait for) is left to the usual
+        path, once the fold has `carry`."""
+        if self.hand is None or not getattr(self.model, "immediate", False) or \
+                not self.follower.holds(task_id) or task_id in self.follower.sealed or \
+                self.guards.book.held_by(task_id):
+            return
+        state = self._state(task_id)
+        for event in carry.events:
+            state = apply(state, event)
+        match self._decide(state):
+            case Finish(state=final, summary=summary):
+                await self._write(TaskFinished(**stamp(task_id), state=final, summary=summary),
+                                  carry)
+            case Ask(n=n) if (task_id, n) not in self._asking:
+                current = asyncio.current_task()
+                assert current is not None
+                self._asking[(task_id, n)] = current  # the usual path does not ask it too
+                try:
+                    with tracing.span("halfway.decision", task_id, f"{task_id}:{n}",
+                                      model=self.model.name):
+                        answer = await self._question(history_of(
+                            state, n, self.registry.infos(), self.instructions))
+                        if isinstance(answer, ModelUnavailable):
+                            await self._model_failed(task_id, n, answer, state, carry)
+                        else:
+                            await self._place(task_id, n, answer, state, carry)
+                finally:
+                    del self._asking[(task_id, n)]
+                    self.follower.touch(task_id)
+            case _:
+                pass
 
     def _wait(self, task_id: str, held: SubjectHeld, until: datetime) -> None:
         """Wake the task when the subject is released (the guard view says so), or at `until`."""
@@ -315,9 +381,11 @@ class Decider:
         metrics.MODEL_QUESTIONS.labels(result=result).observe(time.perf_counter() - started)
         return answer
 
-    async def _model_failed(self, task_id: str, n: int, failure: ModelUnavailable) -> None:
-        """Journal the failed question: the fold counts it, `decide` backs off or ends."""
-        if not self._still_asking(task_id, n):
+    async def _model_failed(self, task_id: str, n: int, failure: ModelUnavailable,
+                            state: TaskState | None = None, carry: Carry | None = None) -> None:
+        """Journal the failed question: the fold counts it, `decide` backs off or ends.
+        `state`: the task's fold plus `carry` (None: the follower's fold)."""
+        if not self._still_asking(task_id, n, state):
             return
         retry_after_s = failure.retry_after_s
         await self._write(ModelFailed(
@@ -325,7 +393,7 @@ class Decider:
             error=(failure.error or "no answer")[:ERROR_CHARS_MAX], status=failure.status,
             transient=failure.transient,
             retry_after_s=None if retry_after_s is None else min(max(0.0, retry_after_s),
-                                                                   86_400.0)))
+                                                                   86_400.0)), carry)
         self._log.warning("the model failed", error=failure.error, transient=failure.transient,
                           status=failure.status)
 
@@ -339,36 +407,41 @@ class Decider:
                                                    output_tokens=tokens(usage.output_tokens)),
             app=self.app_label)
 
-    def _still_asking(self, task_id: str, n: int) -> bool:
+    def _still_asking(self, task_id: str, n: int, state: TaskState | None = None) -> bool:
         """The task is still ours and still waits for step `n` (it may have moved on while the
-        model thought, or while the guard's verdict came)."""
-        if not self.follower.owns(task_id):
+        model thought, or while the guard's verdict came). `state`: a fold plus what is
+        carried with the answer."""
+        if not self.follower.holds(task_id):  # a task being started has no event yet
             self._log.info("the task moved to another decider; answer dropped")
             return False
-        if self._decide(self._state(task_id)) != Ask(n):
+        if self._decide(self._state(task_id) if state is None else state) != Ask(n):
             self._log.warning("the task moved on while the model thought; answer dropped")
             return False
         return True
 
-    async def _place(self, task_id: str, n: int, proposal: Any) -> None:
-        if not self._still_asking(task_id, n):
+    async def _place(self, task_id: str, n: int, proposal: Any,
+                     state: TaskState | None = None, carry: Carry | None = None) -> None:
+        """Journal the model's answer for step `n`. `state`: the task's fold plus `carry`,
+        journaled with the answer (None: the follower's fold, nothing carried)."""
+        if not self._still_asking(task_id, n, state):
             return
-        state = self._state(task_id)
+        if state is None:
+            state = self._state(task_id)
         decided_by = self._decided_by(proposal.usage)
         if isinstance(proposal, ProposeFinish):
             await self._write(TaskFinished(**stamp(task_id), state=final_state_for(state),
                                            summary=proposal.summary[:ERROR_CHARS_MAX] or "done",
-                                           decided_by=decided_by))
+                                           decided_by=decided_by), carry)
             return
         if proposal.malformed:
             await self._refuse(task_id, n, proposal, f"refused: {proposal.malformed}",
-                               decided_by)
+                               decided_by, carry=carry)
             return
         tool = self.registry.get(proposal.tool)
         fields = accept_call(state, n, tool.spec.facts() if tool else None, proposal.tool,
                              proposal.args)
         if isinstance(fields, Refused):
-            await self._refuse(task_id, n, proposal, fields.reason, decided_by)
+            await self._refuse(task_id, n, proposal, fields.reason, decided_by, carry=carry)
             return
         fields["also_proposed"] = also_proposed(proposal)
         if fields["subject"] is not None and fields["effect_class"] is not EffectClass.READ:
@@ -388,32 +461,36 @@ class Decider:
                 held = None if verdict.holder is None else SubjectHeld(
                     subject=claim.subject, tool=claim.tool, holder=verdict.holder)
                 await self._refuse(task_id, n, proposal, verdict.reason, decided_by,
-                                   blocked=held)
+                                   blocked=held, carry=carry)
                 return
             fields["claim_id"] = claim.event_id
             # The log fences a stale write anyway (a withdrawn claim voids the step); this
             # only spares writing one.
-            if not self._still_asking(task_id, n):
+            if not self._still_asking(task_id, n, state):
                 return
             failpoint("decider.claimed", task_id)  # tests: a pause right here
         intent = StepIntended(**stamp(task_id), **fields, decided_by=decided_by)
-        placed = None if self.hand is None else await self.hand.place(intent)
+        before = () if carry is None else carry.events
+        placed = None if self.hand is None else await self.hand.place(intent, before)
         if placed is None:
-            await self._write(intent)
+            await self._write(intent, carry)
         else:
+            if carry is not None:
+                carry.journaled = placed
             self._wrote(intent, placed)
         self._log.info("step decided", tool=intent.tool, key=intent.key,
                        attempted=placed is not None)
 
     async def _refuse(self, task_id: str, n: int, proposal: Any, reason: str,
-                      decided_by: DecidedBy, blocked: SubjectHeld | None = None) -> None:
+                      decided_by: DecidedBy, blocked: SubjectHeld | None = None,
+                      carry: Carry | None = None) -> None:
         """Nothing is placed. The refusal is journaled so the model, asked again, reads why."""
         args = proposal.args if isinstance(proposal.args, dict) and \
             args_bytes(proposal.args) <= ARGS_BYTES_MAX else {}
         await self._write(StepRefused(**stamp(task_id), n=n,
                                       tool=str(proposal.tool)[:TOOL_NAME_CHARS_MAX] or "?",
                                       args=args, reason=reason, decided_by=decided_by,
-                                      blocked=blocked))
+                                      blocked=blocked), carry)
         self._log.warning("proposal refused", reason=reason, waits=blocked is not None)
 
     async def _move_claims(self, state: TaskState) -> bool:
@@ -454,8 +531,14 @@ class Decider:
         await self._write(TaskFinished(**stamp(task_id), state=FinalState.NEEDS_ATTENTION,
                                        summary=f"halfway could not move this task: {error}"))
 
-    async def _write(self, event: Event) -> None:
-        self._wrote(event, await self.writer.append(event))
+    async def _write(self, event: Event, carry: Carry | None = None) -> None:
+        """Journal `event`, after what `carry` brings (one append)."""
+        if carry is None:
+            self._wrote(event, await self.writer.append(event))
+            return
+        metas = await self.writer.append_all((*carry.events, event))
+        carry.journaled = metas[-1]
+        self._wrote(event, metas[-1])
 
     def _wrote(self, event: Event, meta: RecordMetadata) -> None:
         """`event` is journaled at `meta`: the task is held until the fold has it."""

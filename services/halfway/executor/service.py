@@ -31,6 +31,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Protocol
 
 from aiokafka.structs import RecordMetadata
 
@@ -48,7 +49,7 @@ from halfway.contract import (
 from halfway.core.args import parse_args
 from halfway.core.classify import NotSent, Replied, TimedOut, classify
 from halfway.core.effects import Effect, effects_to_work
-from halfway.core.fold import Attempt, apply
+from halfway.core.fold import Attempt, Settlement, TaskState, apply
 from halfway.core.next_action import (
     Action,
     Call,
@@ -88,6 +89,7 @@ class Placing:
 
     intent: StepIntended
     journaled: asyncio.Future[RecordMetadata]
+    before: tuple[Event, ...] = ()  # journaled just before the decision, in the same append
 
     def tell(self, outcome: RecordMetadata | BaseException) -> None:
         if self.journaled.done():
@@ -96,6 +98,14 @@ class Placing:
             self.journaled.set_exception(outcome)
         else:
             self.journaled.set_result(outcome)
+
+
+class Partner(Protocol):
+    """A worker's decider: journals a settlement together with the task's next move when it
+    makes that move at once (the record of that append's last event), or leaves the
+    settlement to the executor (None)."""
+
+    async def follow(self, settled: Event) -> RecordMetadata | None: ...
 
 
 class NotPlaced(Exception):
@@ -118,6 +128,7 @@ class Executor(StepWorker):
                                         seal_after_s=env.seal_after_s(), snapshots=True,
                                         gather_ms=gather_ms)
         self._slots = asyncio.Semaphore(CALLS_IN_FLIGHT_MAX)
+        self.partner: Partner | None = None  # a worker's decider (`_settle`)
         self._unserved_said: OrderedDict[str, None] = OrderedDict()
         self._log = log.get("halfway.executor")
 
@@ -150,24 +161,29 @@ class Executor(StepWorker):
             case _:
                 self.start_move(effect, self._move(effect, tool, action))
 
-    async def place(self, intent: StepIntended) -> RecordMetadata | None:
+    async def place(self, intent: StepIntended,
+                    before: tuple[Event, ...] = ()) -> RecordMetadata | None:
         """A worker's decider hands its decision here before journaling it. When this
         executor would attempt the step at once (its tool served here, its task's partition
-        ours, nothing calling it off), the decision and the first attempt are journaled
-        together, one round trip instead of two in series, and the call follows as for any
-        attempt: returns the decision's record. None: the decider journals it alone."""
+        ours, nothing calling it off), the events `before` it (a settlement, a start), the
+        decision and the first attempt are journaled together, one round trip instead of
+        several in series, and the call follows as for any attempt: returns the decision's
+        record. None: the decider journals it alone."""
         task_id = intent.task_id
-        state = self.follower.states.get(task_id)
         tool = self.registry.get(intent.tool)
-        if state is None or tool is None or not self.follower.owns(task_id):
+        if tool is None or not self.follower.holds(task_id):
             return None
+        # A task with no event yet is placed only with its start (`before`): the fold says so.
+        state = self.follower.states.get(task_id) or TaskState(task_id=task_id)
+        for event in (*before, intent):
+            state = apply(state, event)
         now = datetime.now(UTC)
-        effect = next((e for e in effects_to_work(apply(state, intent), now)
+        effect = next((e for e in effects_to_work(state, now)
                        if e.step_id == intent.step_id and not e.undo), None)
         if effect is None or effect.called_off is not None or self.busy(effect) or \
                 next_action(effect.state, tool.spec.policy(), now) != Call(1):
             return None
-        placing = Placing(intent, asyncio.get_running_loop().create_future())
+        placing = Placing(intent, asyncio.get_running_loop().create_future(), before)
         self.start_move(effect, self._move(effect, tool, Call(1), placing))
         # However the move ends (cancelled even before it began), the decider hears of it.
         self._moves[effect.move_id].add_done_callback(
@@ -204,7 +220,9 @@ class Executor(StepWorker):
                              undo=effect.undo, tool=effect.tool, action=type(action).__name__):
             try:
                 async with self._slots:
-                    await self._perform(effect, tool, action, placing)
+                    settled = await self._perform(effect, tool, action, placing)
+                if settled is not None:  # outside the slot: it may start the next step's move
+                    await self._settle(settled)
             except Exception as exc:
                 if placing is not None:
                     placing.tell(exc)  # the decider tries again, as after its own failed write
@@ -214,7 +232,8 @@ class Executor(StepWorker):
                 raise MoveFailed from None
 
     async def _perform(self, effect: Effect, tool: Tool | None, action: Action,
-                       placing: Placing | None = None) -> None:
+                       placing: Placing | None = None) -> Settlement | None:
+        """Make the move; the settlement it ends with is returned, to be journaled."""
         task_id = effect.task_id
         match action:
             case Call(attempt=n):
@@ -225,13 +244,14 @@ class Executor(StepWorker):
                     meta = await self._write(attempted)
                 else:
                     failpoint("executor.placing", task_id)  # tests: a worker paused here
-                    decided, meta = await self._write_all(placing.intent, attempted)
+                    *_, decided, meta = await self._write_all(*placing.before, placing.intent,
+                                                              attempted)
                     placing.tell(decided)
                 # Write before acting: from here on, a crash leaves "attempted, no outcome".
                 args = parse_args(spec.args_model, dict(effect.args))
                 if not await self._may_send(effect, spec.effect_class, attempted, meta,
                                             placing):
-                    return
+                    return None
                 late_s = (datetime.now(UTC) - attempted.started_at).total_seconds()
                 if late_s > spec.policy().send_window_s:
                     # Paused between the journal and the wire: the world may have moved on
@@ -243,10 +263,10 @@ class Executor(StepWorker):
                         verdict = classify(NotSent(f"not sent: the executor was paused "
                                                    f"{late_s:.1f} s after journaling it"),
                                            attempt=n)
-                        await self._write(effect.settled(
+                        return effect.settled(
                             stamp(task_id), outcome=verdict.outcome, attempt=n,
-                            source=SettlementSource.CALL, reason=verdict.reason))
-                    return
+                            source=SettlementSource.CALL, reason=verdict.reason)
+                    return None
                 ctx = CallContext(effect.step_id, effect.key, n, spec.timeout_s)
                 started = time.perf_counter()
                 try:
@@ -258,27 +278,42 @@ class Executor(StepWorker):
                     time.perf_counter() - started)
                 self._log.info("attempt answered", attempt=n, result=type(result).__name__)
                 if isinstance(result, Succeeded):
-                    await self._write(effect.settled(
+                    return effect.settled(
                         stamp(task_id), outcome=Outcome.DONE, attempt=n,
                         source=SettlementSource.CALL, effect_id=spec.effect_id(result.evidence),
-                        evidence={**result.evidence, "replayed": result.replayed}))
-                elif spec.effect_class is EffectClass.READ:
-                    return  # reads are never unknown: next_action reads again, within bounds
-                else:
-                    verdict = classify(result, attempt=n)
-                    await self._write(effect.settled(
-                        stamp(task_id), outcome=verdict.outcome, attempt=n,
-                        source=SettlementSource.CALL, reason=verdict.reason,
-                        replayed=isinstance(result, Replied) and result.replayed))
+                        evidence={**result.evidence, "replayed": result.replayed})
+                if spec.effect_class is EffectClass.READ:
+                    return None  # reads are never unknown: next_action reads again, in bounds
+                verdict = classify(result, attempt=n)
+                return effect.settled(
+                    stamp(task_id), outcome=verdict.outcome, attempt=n,
+                    source=SettlementSource.CALL, reason=verdict.reason,
+                    replayed=isinstance(result, Replied) and result.replayed)
             case SettleUnknown(attempt=n, reason=reason):
-                await self._write(effect.settled(stamp(task_id), outcome=Outcome.UNKNOWN,
-                                                 attempt=n, source=SettlementSource.CALL,
-                                                 reason=reason))
+                return effect.settled(stamp(task_id), outcome=Outcome.UNKNOWN, attempt=n,
+                                      source=SettlementSource.CALL, reason=reason)
             case SettleNotDone(reason=reason):
-                await self._write(effect.settled(stamp(task_id), outcome=Outcome.NOT_DONE,
-                                                 source=SettlementSource.CALL, reason=reason))
+                return effect.settled(stamp(task_id), outcome=Outcome.NOT_DONE,
+                                      source=SettlementSource.CALL, reason=reason)
             case _:
                 raise AssertionError(f"unexpected action {action!r}")
+
+    async def _settle(self, settled: Settlement) -> None:
+        """Journal a settlement: with the decider's next move for the task, in one append,
+        when this worker's decider makes it at once (`Decider.follow`); alone otherwise."""
+        if self.partner is not None:
+            try:
+                meta = await self.partner.follow(settled)
+            except Exception:  # the settlement must not wait on the decider's trouble
+                self._log.exception("the decider's next move failed; the settlement goes alone")
+            else:
+                if meta is not None:
+                    # Written by the decider's writer: the task is held here until this fold
+                    # has it too, or it would look attempted and not settled.
+                    self.follower.note_write(settled.task_id, meta.partition, meta.offset)
+                    tracing.record(settled)
+                    return
+        await self._write(settled)
 
     async def _may_send(self, effect: Effect, effect_class: EffectClass, attempted: Attempt,
                         meta: RecordMetadata, placing: Placing | None) -> bool:

@@ -68,6 +68,7 @@ from halfway.core.fold import StepStatus, TaskState, TaskStatus, apply
 from halfway.journal import snapshots as snaps
 from halfway.journal.reader import EventConsumer, Wake
 from halfway.journal.records import Delivery
+from halfway.journal.replay import partition_of
 from halfway.journal.sealed import SealedTasks
 from halfway.journal.writer import JournalWriter, local_appends
 from halfway.settings import KafkaSettings
@@ -359,13 +360,25 @@ class JournalFollower:
         """The service appended to the journal: hold the task until the follower sees it
         (then it is reported again)."""
         tp = TopicPartition(self._journal, partition)
-        self._awaiting[task_id] = (tp, offset)
+        known = self._awaiting.get(task_id)
+        if known is None or known[0] != tp or known[1] < offset:
+            self._awaiting[task_id] = (tp, offset)
         self._dirty.add(task_id)
         self._wake.set()
 
     def owns(self, task_id: str) -> bool:
         return any(task_id in p.tasks for tp, p in self._partitions.items()
                    if tp.topic == self._journal)
+
+    def holds(self, task_id: str) -> bool:
+        """The task's journal partition is assigned here and read to its end, whether or not
+        the task has an event yet (one being started)."""
+        count = len(self._consumer.kafka.partitions_for_topic(self._journal) or ())
+        if not count:
+            return False
+        part = self._partitions.get(
+            TopicPartition(self._journal, partition_of(task_id.encode(), count)))
+        return part is not None and part.caught_up
 
     def touch(self, task_id: str) -> None:
         """Report the task again at the next batch (a timer fired), without waiting out a

@@ -126,6 +126,10 @@ class ModelUnavailable(Exception):
 
 
 class Model(Protocol):
+    """Answers the question of a task's next step. A model that answers without I/O (a
+    script: `ScriptedModel`) may also say `immediate = True`: a worker then asks it within the
+    append of what came just before (a start, a settlement), not one round trip after."""
+
     name: str
     version: str | None
 

@@ -42,6 +42,9 @@ DELAY_S_MAX = 600.0  # of a scripted model's thinking
 class ScriptedModel:
     name = "scripted"
     version: str | None = "1"
+    # Answers without I/O (a workflow's script): a worker's decider asks it as part of the
+    # append that journals what it answers after (halfway.decider.service, `Carry`).
+    immediate = True
 
     def __init__(self, call_log: Path | None = None) -> None:
         env = settings.model_call_log()
