@@ -282,7 +282,7 @@ class Decider:
         path, once the fold has `carry`."""
         if self.hand is None or not getattr(self.model, "immediate", False) or \
                 not self.follower.holds(task_id) or task_id in self.follower.sealed or \
-                self.guards.book.held_by(task_id):
+                self.follower.write_pending(task_id) or self.guards.book.held_by(task_id):
             return
         state = self._state(task_id)
         for event in carry.events:
@@ -446,6 +446,11 @@ class Decider:
         fields["also_proposed"] = also_proposed(proposal)
         if fields["subject"] is not None and fields["effect_class"] is not EffectClass.READ:
             assert tool is not None
+            if carry is not None:
+                # A claim goes on the guards topic only once the task's journal has what came
+                # before it (its start, the last settlement), as when nothing is carried.
+                await self._write_carried(carry)
+                carry = None
             claim = SubjectClaimed(event_id=new_event_id(), at=datetime.now(UTC),
                                    subject=fields["subject"], tool=tool.spec.name,
                                    step_id=fields["step_id"], task_id=task_id,
@@ -530,6 +535,13 @@ class Decider:
             return
         await self._write(TaskFinished(**stamp(task_id), state=FinalState.NEEDS_ATTENTION,
                                        summary=f"halfway could not move this task: {error}"))
+
+    async def _write_carried(self, carry: Carry) -> None:
+        """Journal what `carry` brings, alone."""
+        events = carry.events
+        metas = await self.writer.append_all(events)
+        carry.journaled = metas[-1]
+        self._wrote(events[-1], metas[-1])
 
     async def _write(self, event: Event, carry: Carry | None = None) -> None:
         """Journal `event`, after what `carry` brings (one append)."""

@@ -373,6 +373,9 @@ class JournalFollower:
     def holds(self, task_id: str) -> bool:
         """The task's journal partition is assigned here and read to its end, whether or not
         the task has an event yet (one being started)."""
+        for tp, part in self._partitions.items():
+            if task_id in part.tasks and tp.topic == self._journal:
+                return part.caught_up  # the common case: no hash to compute
         count = len(self._consumer.kafka.partitions_for_topic(self._journal) or ())
         if not count:
             return False
@@ -394,7 +397,7 @@ class JournalFollower:
         async def one(task_id: str) -> None:
             if not any(task_id in p.tasks for p in self._partitions.values()):
                 return  # revoked while other tasks of the batch were acted on
-            if self._write_pending(task_id):
+            if self.write_pending(task_id):
                 # The service wrote for this task after the batch was read (a move that ran
                 # meanwhile): acting on the older state would undo what it just decided. It
                 # is reported again once its write is folded (note_write marked it).
@@ -424,6 +427,8 @@ class JournalFollower:
             part = self._partitions.get(tp)
             return part is None or part.applied_to >= offset
 
+        if reached():  # folded as it was appended, the common case: no lock, no timer
+            return tp in self._partitions
         try:
             async with asyncio.timeout(timeout_s), self._progress:
                 await self._progress.wait_for(reached)
@@ -768,7 +773,8 @@ class JournalFollower:
             if tp in self._partitions:
                 self._partitions[tp].noticed_to = upto
 
-    def _write_pending(self, task_id: str) -> bool:
+    def write_pending(self, task_id: str) -> bool:
+        """The service wrote for the task and this fold does not have it yet."""
         awaiting = self._awaiting.get(task_id)
         if awaiting is None:
             return False
