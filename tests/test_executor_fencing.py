@@ -294,3 +294,40 @@ async def test_a_failed_append_of_a_handed_over_decision_reaches_the_decider() -
     with pytest.raises(NotPlaced):
         await placing
     assert provider.sent == []
+
+
+@dataclass
+class Partner:
+    """A worker's decider, as the executor sees it: `follow` journals the settlement with the
+    next move (its record), declines (None), or fails."""
+
+    carries: bool = True
+    fails: Exception | None = None
+    followed: list[Event] = field(default_factory=list)
+
+    async def follow(self, settled: Event) -> Meta | None:
+        if self.fails is not None:
+            raise self.fails
+        self.followed.append(settled)
+        return Meta(0, 99) if self.carries else None
+
+
+@pytest.mark.parametrize("partner", [Partner(), Partner(carries=False),
+                                     Partner(fails=ConnectionError("the broker is away"))],
+                         ids=["carried", "declined", "failed"])
+async def test_a_settlement_goes_with_the_next_move_or_alone_but_always_goes(
+        partner: Partner) -> None:
+    ex, writer, provider, _ = executor(EffectClass.KEYED)
+    ex.partner = partner  # type: ignore[assignment]
+    noted: list[tuple[str, int, int]] = []
+    ex.follower.note_write = lambda *args: noted.append(args)  # type: ignore[method-assign]
+    await call_once(ex, writer)
+    assert provider.sent == ["mail-1:1"]
+    alone = [e for e in writer.events if e.type == "step.settled"]
+    if partner.carries and partner.fails is None:
+        assert [e.type for e in partner.followed] == ["step.settled"]
+        assert alone == []  # the decider's writer journaled it, with its next move
+        assert noted[-1] == ("mail-1", 0, 99)  # held until this fold has it too
+    else:
+        assert len(alone) == 1
+        assert alone[0].outcome is Outcome.DONE

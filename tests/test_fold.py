@@ -6,10 +6,10 @@ import uuid
 from datetime import timedelta
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from halfway.contract import Event, FinalState, Outcome, SettlementSource
+from halfway.contract import Event, FinalState, Outcome, SettlementSource, StepIntended
 from halfway.core import StepStatus, TaskStatus, apply, fold, fold_all
 from tests.factories import Stamper
 
@@ -242,6 +242,30 @@ def test_duplicates_from_zombie_writers_change_nothing(
 ) -> None:
     clean, log = case
     assert fold(log) == fold(clean)
+
+
+@given(histories(), st.data())
+@settings(max_examples=300)
+def test_a_paused_workers_late_pair_changes_no_step(log: list[Event],
+                                                    data: st.DataObject) -> None:
+    """A worker paused between deciding step n and its append journals the decision with the
+    step's first attempt after the log moved on: another decided step n first (rule 2), or the
+    task finished. Wherever the pair lands after that, no step's decision or effect changes
+    and nothing waits to be adopted."""
+    spots = [i for i, e in enumerate(log) if e.type in ("step.intended", "task.finished")]
+    assume(spots)
+    i = data.draw(st.sampled_from(spots))
+    anchor = log[i]
+    n = anchor.n if isinstance(anchor, StepIntended) else data.draw(st.integers(1, 5))
+    s = Stamper(anchor.task_id)
+    late = s.intended(n, args={"invoice": "INV-2291", "amount_cents": 1})
+    pair = [late, s.attempted(n, 1).model_copy(update={"intent_id": late.event_id})]
+    j = data.draw(st.integers(i + 1, len(log)))
+    clean, messy = fold(log), fold([*log[:j], *pair, *log[j:]])
+    assert {k: (v.intent, v.effect) for k, v in messy.steps.items()} == \
+        {k: (v.intent, v.effect) for k, v in clean.steps.items()}
+    assert messy.orphans == clean.orphans
+    assert messy.final_state == clean.final_state
 
 
 @given(histories(), st.data())
