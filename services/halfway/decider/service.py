@@ -470,8 +470,9 @@ class Decider:
                 return
             fields["claim_id"] = claim.event_id
             # The log fences a stale write anyway (a withdrawn claim voids the step); this
-            # only spares writing one.
-            if not self._still_asking(task_id, n, state):
+            # only spares writing one. Asked of the fold as it is now (it has what was
+            # carried): the task may have moved on while the guard answered.
+            if not self._still_asking(task_id, n):
                 return
             failpoint("decider.claimed", task_id)  # tests: a pause right here
         intent = StepIntended(**stamp(task_id), **fields, decided_by=decided_by)

@@ -21,7 +21,9 @@ In a worker, the decider hands each decision here before journaling it (`place`)
 executor would attempt the step at once, the decision and its first attempt are journaled in
 one append, and the call is sent only once this executor's fold has read both back and took
 them (the decision accepted, the attempt first in the log for it), so a paused worker's late
-pair is fenced exactly as a late decision is.
+pair is fenced exactly as a late decision is. A settlement is offered to that decider first
+too (`_settle`, `Decider.follow`): with a model that answers without I/O, it goes in the same
+append as the task's next move.
 """
 
 from __future__ import annotations
