@@ -472,10 +472,7 @@ StepEvent = (
 def _apply_to_step(state: TaskState, event: StepEvent) -> TaskState:
     _, n = parse_step_id(event.step_id)
     step = state.steps.get(n)
-    if isinstance(event, StepAttempted) and event.intent_id is not None and \
-            (step is None or event.intent_id != step.intent.event_id) and \
-            (step is not None or any(refused.event.event_id == event.intent_id
-                                     for refused in state.not_accepted)):
+    if isinstance(event, StepAttempted) and _of_a_decision_not_taken(state, step, event):
         # Journaled with a decision the log did not take (a paused worker's pair): it was
         # never the step's attempt, and its executor, which reads the log first, never sent it.
         return _note(state, event, f"an attempt of decision {event.intent_id}, which the log "
@@ -492,6 +489,18 @@ def _apply_to_step(state: TaskState, event: StepEvent) -> TaskState:
     steps = dict(state.steps)
     steps[n] = _step_with(step, event)
     return replace(state, steps=MappingProxyType(steps))
+
+
+def _of_a_decision_not_taken(state: TaskState, step: StepState | None,
+                             event: StepAttempted) -> bool:
+    """The attempt names a decision (`intent_id`) that is not its step's: another decision of
+    the step came first, or the log refused that decision. One that names nothing, or a
+    decision not in the log yet, is judged as before (an orphan waits for its decision)."""
+    if event.intent_id is None:
+        return False
+    if step is not None:
+        return event.intent_id != step.intent.event_id
+    return any(refused.event.event_id == event.intent_id for refused in state.not_accepted)
 
 
 def _step_with(step: StepState, event: StepEvent) -> StepState:
