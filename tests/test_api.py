@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -504,6 +505,7 @@ CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
                   "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
                   "--window-size=1280,900", "--remote-debugging-port=0")
 STDERR_LINES_KEPT = 200
+CHROMIUM_LAUNCHES = 3
 WS_MESSAGE_BYTES_MAX = 64 * 1024 * 1024  # a screenshot comes back as one base64 message
 
 # Resolves once PREDICATE (a JS expression) is true, checked on every DOM change.
@@ -610,12 +612,17 @@ class Browser:
             await self._reader
 
 
-@contextlib.asynccontextmanager
-async def chromium_browser(chromium: Path, profile: Path) -> AsyncIterator[Browser]:
-    """Chromium in a process group of its own (killed whole if it does not stop), its stderr
-    drained all along (a full pipe would stall it), the DevTools address read from it."""
-    import aiohttp
+@dataclasses.dataclass
+class Launched:
+    proc: asyncio.subprocess.Process
+    stderr: list[str]
+    address: asyncio.Future[str]
+    drainer: asyncio.Task[None]
 
+
+async def launch_chromium(chromium: Path, profile: Path) -> Launched:
+    """Chromium in a process group of its own, its stderr drained all along (a full pipe would
+    stall it); `address` resolves with the DevTools address it prints."""
     proc = await asyncio.create_subprocess_exec(
         str(chromium), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "about:blank",
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
@@ -636,31 +643,58 @@ async def chromium_browser(chromium: Path, profile: Path) -> AsyncIterator[Brows
             address.set_exception(AssertionError("chromium exited before listening:\n"
                                                  + "\n".join(stderr[-40:])))
 
-    drainer = asyncio.create_task(drain())
+    return Launched(proc, stderr, address, asyncio.create_task(drain()))
+
+
+async def stop_chromium(launched: Launched) -> None:
+    """Waits for it to exit, and kills its whole group if it does not."""
+    try:
+        await asyncio.wait_for(launched.proc.wait(), STOP_TIMEOUT_S)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launched.proc.pid, signal.SIGKILL)
+        await launched.proc.wait()
+    launched.drainer.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await launched.drainer
+
+
+@contextlib.asynccontextmanager
+async def chromium_browser(chromium: Path, profile: Path) -> AsyncIterator[Browser]:
+    """A listening Chromium. It starts in under a second here, but on a loaded machine one
+    start in a few dozen hung before listening: such a start is killed and made again, with a
+    fresh profile, at most CHROMIUM_LAUNCHES times."""
+    import aiohttp
+
+    stalls: list[str] = []
+    for attempt in range(CHROMIUM_LAUNCHES):
+        launched = await launch_chromium(chromium, profile.with_name(f"{profile.name}-{attempt}"))
+        try:
+            url = await asyncio.wait_for(asyncio.shield(launched.address), START_TIMEOUT_S)
+            break
+        except TimeoutError:
+            stalls.append("\n".join(launched.stderr[-40:]))
+            launched.address.cancel()  # its exit is expected now, not news
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(launched.proc.pid, signal.SIGKILL)
+            await stop_chromium(launched)
+        except BaseException:
+            await stop_chromium(launched)
+            raise
+    else:
+        raise AssertionError(f"chromium did not listen within {START_TIMEOUT_S:g} s, "
+                             f"{CHROMIUM_LAUNCHES} times:\n" + "\n---\n".join(stalls))
     try:
         async with aiohttp.ClientSession() as session:
-            try:
-                url = await asyncio.wait_for(address, START_TIMEOUT_S)
-            except TimeoutError:
-                raise AssertionError(f"chromium did not listen within {START_TIMEOUT_S:g} s:\n"
-                                     + "\n".join(stderr[-40:])) from None
             ws = await session.ws_connect(url, max_msg_size=WS_MESSAGE_BYTES_MAX,
                                           timeout=aiohttp.ClientWSTimeout(ws_close=WAIT_S))
-            browser = Browser(proc, ws, stderr)
+            browser = Browser(launched.proc, ws, launched.stderr)
             try:
                 yield browser
             finally:
                 await browser.close()  # while the session, and so the socket, is still open
     finally:
-        try:
-            await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
-        drainer.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await drainer
+        await stop_chromium(launched)
 
 
 @pytest.fixture
