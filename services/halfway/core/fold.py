@@ -370,7 +370,18 @@ def apply(state: TaskState, event: Event) -> TaskState:
                          f"folded into task {state.task_id}")
     if event.event_id in state.applied:
         return state
-    state = replace(state, applied=state.applied | {event.event_id})
+    applied = state.applied | {event.event_id}
+    after = _take(state, event)
+    if after is state:
+        return replace(state, applied=applied)
+    # Any other state `_take` returns was made by it, for this event: nobody holds it yet, so
+    # it takes the bookkeeping in place (one copy of the state per event, not two).
+    _set(after, "applied", applied)
+    return after
+
+
+def _take(state: TaskState, event: Event) -> TaskState:
+    """What `event` changes in the task (`state` itself: nothing), its id not yet applied."""
     match event:
         case TaskRequested():
             if state.request is not None:
