@@ -6,6 +6,8 @@ every task's state as the fold of its events, exactly as the live services see i
 
 from __future__ import annotations
 
+import functools
+import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -76,9 +78,28 @@ async def read_topic(settings: KafkaSettings, spec: TopicSpec = JOURNAL,
         await consumer.stop()
 
 
+# The newest keys' murmur2 hashes kept: a live task's key is hashed on every append of it
+# (aiokafka's murmur2 is pure Python, about 1% of a worker's CPU uncached).
+KEY_HASHES_KEPT = 8192
+
+
+@functools.lru_cache(maxsize=KEY_HASHES_KEPT)
+def _key_hash(key: bytes) -> int:
+    return murmur2(key) & 0x7FFFFFFF
+
+
 def partition_of(key: bytes, partitions: int) -> int:
     """The partition the producer's default partitioner gives `key` (murmur2, as Java's)."""
-    return (murmur2(key) & 0x7FFFFFFF) % partitions
+    return _key_hash(key) % partitions
+
+
+def key_partitioner(key: bytes | None, all_partitions: list[int],
+                    available: list[int]) -> int:
+    """aiokafka's default partitioner, with the hash cached (`partition_of`): the same
+    partition for every key, so it mixes with writers that use the default."""
+    if key is None:
+        return random.choice(available or all_partitions)
+    return all_partitions[partition_of(key, len(all_partitions))]
 
 
 async def task_state(settings: KafkaSettings, task_id: str) -> TaskState:

@@ -14,6 +14,7 @@ mistake fails safe: that task is never started (it waits as requested) and nothi
 
 from __future__ import annotations
 
+import functools
 import sys
 from array import array
 from bisect import bisect_left
@@ -26,8 +27,11 @@ _REJECTED_BIT = 1
 # Newest seals wait in a dict until there are this many, or an eighth of the sorted array.
 MERGE_AT_LEAST = 4096
 _EMPTY = array("Q")
+# The newest task ids' digests kept: a live task's is asked for on every record of it.
+DIGESTS_KEPT = 8192
 
 
+@functools.lru_cache(maxsize=DIGESTS_KEPT)
 def digest(task_id: str) -> int:
     """The task id's 63-bit digest, shifted: the lowest bit is left for the status."""
     h = int.from_bytes(blake2b(task_id.encode(), digest_size=8, key=_KEY).digest(), "little")

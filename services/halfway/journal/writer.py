@@ -22,6 +22,7 @@ from halfway import log
 from halfway.contract import Event
 from halfway.contract.topics import JOURNAL, TopicSpec
 from halfway.journal.records import record_headers, record_key, record_value
+from halfway.journal.replay import key_partitioner
 from halfway.settings import KafkaSettings
 
 # A listener of this process's journal appends: (topic, event, partition, offset, writer).
@@ -65,6 +66,7 @@ class JournalWriter:
             # twice. It does not dedupe a second writer; the fold's first-in-log rule does.
             enable_idempotence=True,
             linger_ms=linger_ms,
+            partitioner=key_partitioner,
             request_timeout_ms=30_000,
         )
 
