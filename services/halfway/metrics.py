@@ -29,8 +29,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from prometheus_client import REGISTRY, Histogram, start_http_server
-from prometheus_client import Counter as PromCounter
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from halfway import log
@@ -39,10 +38,6 @@ from halfway.core.fold import StepStatus
 METRICS_PORT_ENV = "HALFWAY_METRICS_PORT"
 METRICS_HOST_ENV = "HALFWAY_METRICS_HOST"
 
-EVENTS_APPLIED = PromCounter("halfway_events_applied", "Records folded, by group and topic",
-                             ["group", "topic"])
-STEPS_SETTLED = PromCounter("halfway_steps_settled", "Step settlements folded",
-                            ["group", "outcome", "source"])
 MODEL_QUESTIONS = Histogram("halfway_model_question_seconds", "One model question, end to end",
                             ["result"], buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
                                                  120))
@@ -58,7 +53,8 @@ class _FollowersCollector(Collector):
         self.followers: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
-        # A follower here has `group`, `states` and `partition_lags()` (JournalFollower).
+        # A follower here has `group`, `states`, `partition_lags()` and its counts
+        # (JournalFollower). Counts of followers of one group (a test's) add up.
         lag = GaugeMetricFamily("halfway_consumer_lag", "Records behind the partition's end",
                                 labels=["group", "topic", "partition"])
         caught_up = GaugeMetricFamily("halfway_partition_caught_up",
@@ -77,9 +73,15 @@ class _FollowersCollector(Collector):
             "halfway_partition_restored_offset",
             "Journal offset a partition's snapshot restored it at (absent: replayed from zero)",
             labels=["group", "partition"])
+        applied_total: Counter[tuple[str, str]] = Counter()
+        settled_total: Counter[tuple[str, str, str]] = Counter()
         now = datetime.now(UTC)
         for follower in list(self.followers):
             group = follower.group
+            for topic, n in list(follower.applied_by_topic.items()):
+                applied_total[group, topic] += n
+            for (outcome, source), n in list(follower.settled_by.items()):
+                settled_total[group, outcome, source] += n
             for topic, partition, behind, done in follower.partition_lags():
                 lag.add_metric([group, topic, str(partition)], behind)
                 caught_up.add_metric([group, topic, str(partition)], 1 if done else 0)
@@ -101,7 +103,17 @@ class _FollowersCollector(Collector):
                     [group], -1.0 if written_s is None else time.monotonic() - written_s)
                 for number, offset in list(follower.restored.items()):
                     restored.add_metric([group, str(number)], offset)
-        yield from (lag, caught_up, tasks, steps, oldest, snapshot_age, restored)
+        applied = CounterMetricFamily("halfway_events_applied",
+                                      "Records folded, by group and topic",
+                                      labels=["group", "topic"])
+        for labels, n in applied_total.items():
+            applied.add_metric(list(labels), n)
+        settled = CounterMetricFamily("halfway_steps_settled", "Step settlements folded",
+                                      labels=["group", "outcome", "source"])
+        for labels, n in settled_total.items():
+            settled.add_metric(list(labels), n)
+        yield from (applied, settled, lag, caught_up, tasks, steps, oldest, snapshot_age,
+                    restored)
 
 
 _COLLECTOR = _FollowersCollector()

@@ -278,8 +278,11 @@ class JournalFollower:
         self._snapshot_every_s = snaps.every_s()
         self.snapshot_written_s: float | None = None  # monotonic, the last one written
         self.restored: dict[int, int] = {}  # partition -> offset its snapshot was taken at
-        self._applied_counters = {name: metrics.EVENTS_APPLIED.labels(group, name)
-                                  for name in (t.name(settings.topic_prefix) for t in topics)}
+        # Counted here as plain numbers, read at scrape time (metrics.py): a Prometheus
+        # counter takes a lock on every increment, and this is once per record.
+        self.applied_by_topic: Counter[str] = Counter(
+            {t.name(settings.topic_prefix): 0 for t in topics})
+        self.settled_by: Counter[tuple[str, str]] = Counter()  # (outcome, source) -> steps
         metrics.watch(self)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -536,7 +539,7 @@ class JournalFollower:
         if offset <= part.applied_to:
             return  # folded when this process appended it
         part.applied_to = offset
-        self._applied_counters[tp.topic].inc()
+        self.applied_by_topic[tp.topic] += 1
         if isinstance(event, WebhookReceived):
             if event.key is None or event.task_id is None:
                 return  # not about any effect of ours: nothing to match it with
@@ -555,8 +558,7 @@ class JournalFollower:
         part.tasks.add(event.task_id)
         part.since_snapshot += 1
         if isinstance(event, StepSettled):
-            metrics.STEPS_SETTLED.labels(self.group, event.outcome.value,
-                                         event.source.value).inc()
+            self.settled_by[event.outcome.value, event.source.value] += 1
         if tp.topic != self._journal:
             if not isinstance(event, TaskRequested):
                 # Callers write the tasks topic: what they write there is a request or
