@@ -35,7 +35,7 @@ from halfway.contract import Event, TaskRequested
 from halfway.contract.topics import ALL_TOPICS, JOURNAL, TASKS
 from halfway.core.fold import StepStatus, TaskState, apply
 from halfway.journal import JournalWriter, ensure_topics, read_topic
-from halfway.journal.admin import delete_topics
+from halfway.journal.admin import delete_topics, topic_partitions
 from halfway.journal.limits import fetch_limits
 from halfway.journal.records import InvalidRecord, decode
 from halfway.settings import KafkaSettings
@@ -151,7 +151,10 @@ class JournalWatcher:
                                           group_id=None, enable_auto_commit=False,
                                           **fetch_limits())
         await self._consumer.start()
-        tps = [TopicPartition(topic, p) for p in range(JOURNAL.partitions)]
+        # The topic's own count (a deployment may have fewer than the default): seeking a
+        # partition that does not exist waits out the request timeout (40 s).
+        tps = [TopicPartition(topic, p)
+               for p in sorted(await topic_partitions(self.settings, topic))]
         self._consumer.assign(tps)
         await self._consumer.seek_to_beginning(*tps)
         self._task = asyncio.create_task(self._run(), name="journal-watcher")
