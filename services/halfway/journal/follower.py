@@ -64,12 +64,13 @@ from halfway.contract import (
 )
 from halfway.contract.topics import JOURNAL, TASKS, WEBHOOKS, TopicSpec
 from halfway.contract.webhooks import WebhookReceived
-from halfway.core.fold import StepStatus, TaskState, TaskStatus, apply
+from halfway.core.fold import StepStatus, TaskState, TaskStatus
 from halfway.journal import snapshots as snaps
 from halfway.journal.reader import EventConsumer, Wake
 from halfway.journal.records import Delivery
 from halfway.journal.replay import partition_of
 from halfway.journal.sealed import SealedTasks
+from halfway.journal.shared_fold import shared_folds
 from halfway.journal.writer import JournalWriter, local_appends
 from halfway.settings import KafkaSettings
 
@@ -593,7 +594,7 @@ class JournalFollower:
         if isinstance(event, StepAttempted | CompensationAttempted):
             self.first_attempt.setdefault(event.key, offset)
         before = self.states.get(event.task_id)
-        after = apply(before or TaskState(task_id=event.task_id), event)
+        after = shared_folds.apply(before, event)  # the worker's other follower's, if it has it
         self.states[event.task_id] = after
         if self.snapshots:
             self._history.setdefault(event.task_id, []).append((offset, event))
