@@ -29,7 +29,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from prometheus_client import REGISTRY, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from halfway import log
@@ -52,7 +52,7 @@ class _FollowersCollector(Collector):
     def __init__(self) -> None:
         self.followers: weakref.WeakSet[Any] = weakref.WeakSet()
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[Metric]:
         # A follower here has `group`, `states`, `partition_lags()` and its counts
         # (JournalFollower). Counts of followers of one group (a test's) add up.
         lag = GaugeMetricFamily("halfway_consumer_lag", "Records behind the partition's end",
