@@ -10,6 +10,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import pytest
+from hypothesis import settings
 
 from halfway.contract.topics import ALL_TOPICS
 from halfway.journal import JournalWriter, ensure_topics
@@ -19,6 +20,11 @@ from halfway.settings import KafkaSettings
 # Before any test module (or the chaos benchmark a test imports) imports it: its asserts are
 # what the broker tests' failure messages are made of.
 pytest.register_assert_rewrite("tests.processes")
+
+# No timing assertions, Hypothesis's per-example deadline included: the suite runs in several
+# processes on a 2-core machine, where an example's time says nothing about the code.
+settings.register_profile("halfway", deadline=None)
+settings.load_profile("halfway")
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,9 @@ from halfway.settings import KafkaSettings
 ROOT = Path(__file__).resolve().parents[1]
 SIDE_BY_SIDE_TIMEOUT_S = 240.0
 
+# Figures of a whole deployment, and a restart that must keep its partitions: the machine alone.
+pytestmark = pytest.mark.load
+
 
 @pytest.mark.broker
 async def test_recovery_restarts_from_snapshots_without_losing_partitions(

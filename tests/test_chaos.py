@@ -198,6 +198,7 @@ RUN_TIMEOUT_S = 240.0  # a hang guard, far above the ~100 s a run takes
 
 
 @pytest.mark.broker
+@pytest.mark.load
 @pytest.mark.timeout(RUN_TIMEOUT_S)
 async def test_a_small_chaos_run_charges_once_and_loses_nothing(tmp_path: Path) -> None:
     config = ChaosConfig(tasks=TASKS, seed=10, window_s=WINDOW_S, drain_s=DRAIN_S,

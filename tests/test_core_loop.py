@@ -269,6 +269,7 @@ async def test_two_deciders_and_two_executors_share_the_work_through_rebalances(
 # --- 5. two hundred at once, with a misbehaving provider ------------------------------------------
 
 
+@pytest.mark.load
 async def test_two_hundred_renewals_at_once_each_charge_once(core: Cluster) -> None:
     count = 200
     await core.faults(

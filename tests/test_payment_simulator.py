@@ -547,6 +547,7 @@ async def test_clearing_rules_and_reset(sim: httpx.AsyncClient, key: str) -> Non
 # --- concurrency ----------------------------------------------------------------------------------
 
 
+@pytest.mark.load
 async def test_200_slow_charges_in_flight_at_once_all_land(
         sim: httpx.AsyncClient, sim_url: str) -> None:
     await _faults(sim, {"match": {}, "action": {"delay_s": 0.5}})

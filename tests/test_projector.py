@@ -393,6 +393,7 @@ async def until(probe: Callable[[], Awaitable[bool]], what: str, alive: Callable
 
 
 @pytest.mark.broker
+@pytest.mark.load
 async def test_kill_9_in_the_middle_of_a_burst_loses_and_doubles_nothing(
         journal: KafkaSettings, pg: asyncpg.Connection, schema: str, tmp_path: Path) -> None:
     burst = 10_000
