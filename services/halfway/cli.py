@@ -17,7 +17,7 @@ import typer
 
 from halfway import log
 from halfway.serve import Service
-from halfway.settings import KafkaSettings
+from halfway.settings import KafkaSettings, SettingsError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="halfway: a journaled effects harness for AI agents, on Kafka.")
@@ -550,5 +550,15 @@ def mcp_serve(
                             call_wait_s=wait_s, session_idle_s=idle_s, task=task))
 
 
+def main() -> None:
+    """The `halfway` command: a setting it cannot use, read at any point of any command, is a
+    one-line error naming the variable (exit 2), not a traceback."""
+    try:
+        app()
+    except SettingsError as exc:
+        typer.echo(f"halfway: {exc}", err=True)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
-    app()
+    main()

@@ -34,6 +34,7 @@ from prometheus_client.registry import Collector
 
 from halfway import log
 from halfway.core.fold import StepStatus
+from halfway.settings import SettingsError, number_from_env
 
 METRICS_PORT_ENV = "HALFWAY_METRICS_PORT"
 METRICS_HOST_ENV = "HALFWAY_METRICS_HOST"
@@ -136,12 +137,17 @@ def serve_from_env(port: int | None = None) -> int | None:
     """Serve /metrics on `port` (or HALFWAY_METRICS_PORT); None: not configured. Returns the
     port it listens on (0 picks a free one)."""
     if port is None:
-        raw = os.environ.get(METRICS_PORT_ENV, "").strip()
-        if not raw:
+        if not os.environ.get(METRICS_PORT_ENV, "").strip():
             return None
-        port = int(raw)
+        port = int(number_from_env(METRICS_PORT_ENV, 0, whole=True, high=65535))
+    elif not 0 <= port <= 65535:
+        raise SettingsError(f"{METRICS_PORT_ENV} (--metrics-port) {port} is outside 0..65535")
     host = os.environ.get(METRICS_HOST_ENV, "127.0.0.1")
-    server, _thread = start_http_server(port, addr=host)
+    try:
+        server, _thread = start_http_server(port, addr=host)
+    except OSError as exc:  # in use, or an address this machine does not have
+        raise SettingsError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") \
+            from None
     bound = server.server_address[1]
     log.get("halfway.metrics").info("metrics listening", url=f"http://{host}:{bound}/metrics")
     return bound

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import urllib.parse
 from collections.abc import Mapping
@@ -23,18 +24,33 @@ PG_USER = "postgres"
 PG_DATABASE = "halfway"
 
 
+class SettingsError(ValueError):
+    """An environment variable halfway reads holds a value it cannot use: the message names the
+    variable, the value and what it takes (the CLI prints it and exits 2, no traceback)."""
+
+
 def _port(name: str, default: int, *, any_free: bool = False) -> int:
     """A port from the environment; with `any_free`, 0 means "pick a free one"."""
-    raw = os.environ.get(name)
+    return int(number_from_env(name, default, whole=True, low=0 if any_free else 1, high=65535))
+
+
+def number_from_env(name: str, default: float, *, whole: bool = False, low: float = 0.0,
+            high: float = math.inf, above_low: bool = False) -> float:
+    """A finite number from the environment (a whole one with `whole`) within low..high (above
+    `low` with `above_low`); unset or blank: `default`."""
+    raw = os.environ.get(name, "").strip()
     if not raw:
         return default
     try:
-        port = int(raw)
+        value = int(raw) if whole else float(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a port number") from None
-    if not (0 if any_free else 1) <= port <= 65535:
-        raise ValueError(f"{name}={port} is outside 1..65535")
-    return port
+        kind = "a whole number" if whole else "a number"
+        raise SettingsError(f"{name}={raw[:40]!r} is not {kind}") from None
+    if not math.isfinite(value) or value < low or value > high or (above_low and value == low):
+        bounds = f"above {low:g}" if above_low and high == math.inf else \
+            f"{low:g}..{high:g}" if high != math.inf else f"at least {low:g}"
+        raise SettingsError(f"{name}={raw[:40]!r} is outside what it takes ({bounds})")
+    return value
 
 
 def kafka_port() -> int:
@@ -247,7 +263,8 @@ class KafkaSettings:
         return cls(
             bootstrap=kafka_bootstrap(),
             topic_prefix=os.environ.get("HALFWAY_TOPIC_PREFIX", "halfway."),
-            replication_factor=int(os.environ.get("HALFWAY_REPLICATION_FACTOR", "1")),
+            replication_factor=int(number_from_env("HALFWAY_REPLICATION_FACTOR", 1, whole=True,
+                                           low=1, high=PARTITIONS_MAX)),
             partitions=partitions(),
             security=kafka_security(kind),
         )
@@ -280,16 +297,8 @@ PARTITIONS_MAX = 1000
 def partitions() -> int:
     """Partitions per topic for a new deployment's topics (`HALFWAY_PARTITIONS`, default 6):
     the most instances of one service that can share the work."""
-    raw = os.environ.get(PARTITIONS_ENV, "").strip()
-    if not raw:
-        return DEFAULT_PARTITIONS
-    try:
-        count = int(raw)
-    except ValueError:
-        raise ValueError(f"{PARTITIONS_ENV}={raw[:40]!r} is not a whole number") from None
-    if not 1 <= count <= PARTITIONS_MAX:
-        raise ValueError(f"{PARTITIONS_ENV}={count} is outside 1..{PARTITIONS_MAX}")
-    return count
+    return int(number_from_env(PARTITIONS_ENV, DEFAULT_PARTITIONS, whole=True, low=1,
+                       high=PARTITIONS_MAX))
 
 
 def paysim_url() -> str:
@@ -304,12 +313,12 @@ def tripsim_url() -> str:
 
 def travel_timeout_s() -> float:
     """How long one flight, hotel or email attempt may take before its outcome is unknown."""
-    return float(os.environ.get("HALFWAY_TRAVEL_TIMEOUT_S", "5"))
+    return number_from_env("HALFWAY_TRAVEL_TIMEOUT_S", 5.0, above_low=True)
 
 
 def charge_timeout_s() -> float:
     """How long one charge attempt may take before its outcome is unknown."""
-    return float(os.environ.get("HALFWAY_CHARGE_TIMEOUT_S", "5"))
+    return number_from_env("HALFWAY_CHARGE_TIMEOUT_S", 5.0, above_low=True)
 
 
 def model_call_log() -> str | None:
@@ -330,15 +339,15 @@ def charge_completes_within_s() -> float | None:
     """How long the payment provider may take to finish any request: past it, a lookup that
     finds nothing proves the charge did not happen. paysim's bound by default; `off` for a
     provider whose search lags (Stripe's does), where nothing found proves nothing."""
-    raw = os.environ.get("HALFWAY_CHARGE_COMPLETES_WITHIN_S", "").strip().lower()
-    if raw in ("off", "none", "0"):
+    name = "HALFWAY_CHARGE_COMPLETES_WITHIN_S"
+    if os.environ.get(name, "").strip().lower() in ("off", "none", "0"):
         return None
-    return float(raw) if raw else DEFAULT_CHARGE_COMPLETES_WITHIN_S
+    return number_from_env(name, DEFAULT_CHARGE_COMPLETES_WITHIN_S, above_low=True)
 
 
 def charge_key_ttl_s() -> float:
     """How long the payment provider remembers an idempotency key (Stripe v1: 24 h)."""
-    return float(os.environ.get("HALFWAY_CHARGE_KEY_TTL_S", "86400"))
+    return number_from_env("HALFWAY_CHARGE_KEY_TTL_S", 86_400.0, above_low=True)
 
 
 # A task finished this long ago (by the journal's own clock) with every effect settled is
@@ -349,10 +358,10 @@ DEFAULT_SEAL_AFTER_S = 86_400.0
 
 def seal_after_s() -> float | None:
     """`HALFWAY_SEAL_AFTER_S`: how long after its end a settled task is sealed (`off`: never)."""
-    raw = os.environ.get("HALFWAY_SEAL_AFTER_S", "").strip().lower()
-    if raw in ("off", "none"):
+    name = "HALFWAY_SEAL_AFTER_S"
+    if os.environ.get(name, "").strip().lower() in ("off", "none"):
         return None
-    return float(raw) if raw else DEFAULT_SEAL_AFTER_S
+    return number_from_env(name, DEFAULT_SEAL_AFTER_S)
 
 
 DEFAULT_GATEWAY_PORT = 18090

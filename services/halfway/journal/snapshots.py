@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
 import struct
 import sys
 import time
@@ -52,7 +51,7 @@ from halfway.core.fold import TaskStatus
 from halfway.journal.limits import fetch_limits
 from halfway.journal.sealed import unpack
 from halfway.journal.writer import JournalWriter
-from halfway.settings import KafkaSettings
+from halfway.settings import KafkaSettings, number_from_env
 
 FORMAT = 5
 READS = {4, FORMAT}  # an image of the format before is read (and soon rewritten) after an upgrade
@@ -67,8 +66,7 @@ EVERY_S_ENV = "HALFWAY_SNAPSHOT_EVERY_S"  # EVERY_S, for tests and operators
 
 
 def every_s() -> float:
-    raw = os.environ.get(EVERY_S_ENV, "").strip()
-    return float(raw) if raw else EVERY_S
+    return number_from_env(EVERY_S_ENV, EVERY_S)  # 0: after every record (tests)
 # Chunks stay well under the broker's record limit (halfway.journal.limits).
 CHUNK_BYTES = 512 * 1024
 # Past this (compressed) a partition is not snapshotted: its restart replays from zero, logged.

@@ -1,0 +1,49 @@
+"""A setting halfway cannot use stops a service at once with one line naming the variable, the
+value and what it takes (exit 2): never a traceback, never a service that runs on a guess."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import pytest
+
+from halfway.settings import SettingsError, charge_timeout_s, partitions
+
+BAD = [
+    ("HALFWAY_PARTITIONS", "abc", "is not a whole number"),
+    ("HALFWAY_PARTITIONS", "0", "1..1000"),
+    ("HALFWAY_REPLICATION_FACTOR", "two", "is not a whole number"),
+    ("HALFWAY_CHARGE_TIMEOUT_S", "soon", "is not a number"),
+    ("HALFWAY_CHARGE_TIMEOUT_S", "nan", "above 0"),
+    ("HALFWAY_CHARGE_TIMEOUT_S", "-1", "above 0"),
+    ("HALFWAY_METRICS_PORT", "99999", "0..65535"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "says"), BAD)
+async def test_a_service_started_with_a_bad_setting_says_which_and_exits_2(
+        name: str, value: str, says: str) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "halfway.cli", "run", "worker",
+        env=dict(os.environ) | {name: value}, stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 2, text
+    assert name in text, text
+    assert says in text, text
+    assert "Traceback" not in text, text
+
+
+def test_unset_or_blank_settings_take_their_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HALFWAY_PARTITIONS", " ")
+    monkeypatch.delenv("HALFWAY_CHARGE_TIMEOUT_S", raising=False)
+    assert partitions() == 6
+    assert charge_timeout_s() == 5.0
+    monkeypatch.setenv("HALFWAY_CHARGE_TIMEOUT_S", "0.25")
+    assert charge_timeout_s() == 0.25
+    monkeypatch.setenv("HALFWAY_CHARGE_TIMEOUT_S", "0")
+    with pytest.raises(SettingsError, match="HALFWAY_CHARGE_TIMEOUT_S"):
+        charge_timeout_s()
