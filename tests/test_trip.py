@@ -317,8 +317,10 @@ async def test_an_aborted_trip_settles_its_step_in_flight_then_undoes_what_was_d
         slow_trip: Cluster) -> None:
     c = slow_trip
     task_id = new_id("trip-abort")
-    # The booking takes 2 s: the operator calls the trip off while it is in flight.
-    await c.trip_faults({"match": {"endpoint": "hotels.book"}, "action": {"delay_s": 2.0}})
+    # The booking takes 4 s (the attempt's timeout is 5): the operator calls the trip off while
+    # it is in flight, with `halfway abort`, a process that must start and reach the broker in
+    # that window on a busy machine too.
+    await c.trip_faults({"match": {"endpoint": "hotels.book"}, "action": {"delay_s": 4.0}})
     await start_services(c)
     await c.publish(trip_request(task_id))
     await c.journal.first(lambda e: getattr(e, "step_id", None) == f"{task_id}:2"
