@@ -258,7 +258,10 @@ async def schema(pg: asyncpg.Connection) -> AsyncIterator[str]:
 async def applied(pg: asyncpg.Connection, schema: str, settings: KafkaSettings) -> dict[int, int]:
     if not await store.schema_exists(pg, schema):
         return {}
-    return await store.read_offsets(pg, schema, JOURNAL.name(settings.topic_prefix))
+    try:
+        return await store.read_offsets(pg, schema, JOURNAL.name(settings.topic_prefix))
+    except (asyncpg.UndefinedTableError, asyncpg.InvalidSchemaNameError):
+        return {}  # dropped or being made again (a rebuild) between the check and the read
 
 
 async def until_applied(pg: asyncpg.Connection, schema: str, settings: KafkaSettings,

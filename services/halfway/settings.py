@@ -49,7 +49,7 @@ def number_from_env(name: str, default: float, *, whole: bool = False, low: floa
     if not math.isfinite(value) or value < low or value > high or (above_low and value == low):
         bounds = f"above {low:g}" if above_low and high == math.inf else \
             f"{low:g}..{high:g}" if high != math.inf else f"at least {low:g}"
-        raise SettingsError(f"{name}={raw[:40]!r} is outside what it takes ({bounds})")
+        raise SettingsError(f"{name}={raw[:40]} is outside {bounds}")
     return value
 
 
