@@ -173,7 +173,7 @@ def _prepare(app_: Any) -> None:
 def run(service: Annotated[Runnable, typer.Argument(help="which service")],
         app_ref: AppOption = None, model: ModelOption = None,
         metrics_port: Annotated[int | None, typer.Option(
-            "--metrics-port", envvar="HALFWAY_METRICS_PORT", show_envvar=True,
+            "--metrics-port", envvar="HALFWAY_METRICS_PORT", show_envvar=True, min=0, max=65535,
             help="serve Prometheus metrics at /metrics on this port (0: a free one)")] = None,
         ) -> None:
     """Run a service until SIGTERM: decider, executor, reconciler, outcomes (the user-facing

@@ -140,8 +140,6 @@ def serve_from_env(port: int | None = None) -> int | None:
         if not os.environ.get(METRICS_PORT_ENV, "").strip():
             return None
         port = int(number_from_env(METRICS_PORT_ENV, 0, whole=True, high=65535))
-    elif not 0 <= port <= 65535:
-        raise SettingsError(f"{METRICS_PORT_ENV} (--metrics-port) {port} is outside 0..65535")
     host = os.environ.get(METRICS_HOST_ENV, "127.0.0.1")
     try:
         server, _thread = start_http_server(port, addr=host)

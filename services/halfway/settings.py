@@ -35,7 +35,7 @@ def _port(name: str, default: int, *, any_free: bool = False) -> int:
 
 
 def number_from_env(name: str, default: float, *, whole: bool = False, low: float = 0.0,
-            high: float = math.inf, above_low: bool = False) -> float:
+                    high: float = math.inf, above_low: bool = False) -> float:
     """A finite number from the environment (a whole one with `whole`) within low..high (above
     `low` with `above_low`); unset or blank: `default`."""
     raw = os.environ.get(name, "").strip()
@@ -47,8 +47,8 @@ def number_from_env(name: str, default: float, *, whole: bool = False, low: floa
         kind = "a whole number" if whole else "a number"
         raise SettingsError(f"{name}={raw[:40]!r} is not {kind}") from None
     if not math.isfinite(value) or value < low or value > high or (above_low and value == low):
-        bounds = f"above {low:g}" if above_low and high == math.inf else \
-            f"{low:g}..{high:g}" if high != math.inf else f"at least {low:g}"
+        floor = f"above {low:g}" if above_low else f"at least {low:g}"
+        bounds = floor if high == math.inf else f"{low:g}..{high:g}"
         raise SettingsError(f"{name}={raw[:40]} is outside {bounds}")
     return value
 
@@ -264,7 +264,7 @@ class KafkaSettings:
             bootstrap=kafka_bootstrap(),
             topic_prefix=os.environ.get("HALFWAY_TOPIC_PREFIX", "halfway."),
             replication_factor=int(number_from_env("HALFWAY_REPLICATION_FACTOR", 1, whole=True,
-                                           low=1, high=PARTITIONS_MAX)),
+                                                   low=1, high=PARTITIONS_MAX)),
             partitions=partitions(),
             security=kafka_security(kind),
         )
@@ -298,7 +298,7 @@ def partitions() -> int:
     """Partitions per topic for a new deployment's topics (`HALFWAY_PARTITIONS`, default 6):
     the most instances of one service that can share the work."""
     return int(number_from_env(PARTITIONS_ENV, DEFAULT_PARTITIONS, whole=True, low=1,
-                       high=PARTITIONS_MAX))
+                               high=PARTITIONS_MAX))
 
 
 def paysim_url() -> str:
