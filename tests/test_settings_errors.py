@@ -19,7 +19,6 @@ BAD = [
     ("HALFWAY_CHARGE_TIMEOUT_S", "nan", "above 0"),
     ("HALFWAY_CHARGE_TIMEOUT_S", "-1", "above 0"),
     ("HALFWAY_METRICS_PORT", "99999", "--metrics-port"),  # checked by the option itself
-    ("HALFWAY_EVENT_LOOP", "twisted", "auto, uvloop, asyncio"),
 ]
 
 
