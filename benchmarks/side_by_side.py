@@ -1,7 +1,7 @@
 """The same 3-step task through halfway, Restate, DBOS and a direct loop, side by side.
 
     .venv/bin/python benchmarks/side_by_side.py [--rounds 5] [--tasks 50] [--skip restate,dbos]
-        [--pairs 2]
+        [--pairs 2] [--variant LABEL:VAR=VALUE[,VAR=VALUE]]...
 
 The task: three POSTs to one stub provider (`side_by_side/stub.py`, a process of its own), each
 with an `Idempotency-Key`, one after the other. Four ways to run it:
@@ -20,6 +20,11 @@ with an `Idempotency-Key`, one after the other. Four ways to run it:
 - restate: `restate-server` (npm `@restatedev/restate-server`) and the service
   `side_by_side/restate_service.py` (`restate-sdk`), a handler doing three `ctx.run(...)` steps;
   the caller POSTs to the ingress and gets the handler's result back.
+- w-LABEL (`--variant`, repeatable): halfway-w again, its processes started with more
+  environment variables, e.g. `base:PYTHONPATH=/tmp/base/services` runs another checkout's
+  code (a `git worktree` of the commit before a change). Compare a change within one run, not
+  between runs: on a shared 2-core machine the spread between runs (worker CPU per task
+  ±10-15%) is larger than most single changes.
 - dbos: `side_by_side/dbos_app.py` (`dbos`), a workflow of three `@DBOS.step()`s with its system
   database on the local PostgreSQL (a database of its own, dropped at the end), behind a small
   HTTP front; the caller POSTs and gets the workflow's result back.
@@ -75,6 +80,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import resource
 import shutil
 import socket
@@ -97,7 +103,7 @@ from halfway import log
 from halfway.client import HalfwayClient
 from halfway.contract import DecidedBy, EffectClass, StepIntended, mint_key, step_id
 from halfway.contract.topics import ALL_TOPICS, JOURNAL
-from halfway.infra.paths import kafka_home, read_pid
+from halfway.infra.paths import halfway_home, kafka_home, read_pid
 from halfway.journal import JournalWriter, ensure_topics
 from halfway.journal.admin import delete_topics
 from halfway.journal.limits import fetch_limits
@@ -437,9 +443,10 @@ class FinishWatcher:
 class Halfway(System):
     """halfway with deciders and executors as separate processes (`--pairs` of each)."""
 
-    def __init__(self, name: str = "halfway") -> None:
+    def __init__(self, name: str = "halfway", env: dict[str, str] | None = None) -> None:
         super().__init__(name)
         self.procs: list[Proc] = []
+        self.env = env or {}  # a variant's settings, over this process's environment
 
     def services(self, pairs: int) -> list[str]:
         return [*(["decider", "executor"] * pairs), "reconciler"]
@@ -452,16 +459,20 @@ class Halfway(System):
         await ensure_topics(self.settings, ALL_TOPICS)
         env = dict(os.environ) | {"HALFWAY_TOPIC_PREFIX": self.settings.topic_prefix,
                                   "HALFWAY_LOG_LEVEL": "WARNING", "HALFWAY_MODEL": "scripted",
-                                  "STUB_URL": bench.stub_url, "PYTHONUNBUFFERED": "1"}
+                                  "STUB_URL": bench.stub_url, "PYTHONUNBUFFERED": "1",
+                                  # this broker's credentials, for a variant's checkout too
+                                  "HALFWAY_HOME": str(halfway_home())} | self.env
         env.pop("HALFWAY_MODEL_CALL_LOG", None)  # the model must not fsync a file per answer
         services = self.services(bench.pairs)
+        logs = bench.logdir / self.name
+        logs.mkdir()
         seen: dict[str, int] = {}
         for service in services:
             seen[service] = seen.get(service, 0) + 1
             name = service if seen[service] == 1 else f"{service}-{seen[service]}"
             self.procs.append(await spawn(
                 name, [sys.executable, "-m", "halfway.cli", "run", service,
-                       "--app", "bench_app:app"], bench.logdir, env=env, cwd=HERE))
+                       "--app", "bench_app:app"], logs, env=env, cwd=HERE))
         self.watcher = FinishWatcher(self.settings)
         await self.watcher.start()
         self.client = HalfwayClient(self.settings)
@@ -514,8 +525,8 @@ class HalfwayWorker(Halfway):
     """halfway with `halfway run worker` processes (a decider and an executor in one process,
     `--pairs` of them): a step's decision and attempt skip the fetch round trips."""
 
-    def __init__(self) -> None:
-        super().__init__("halfway-w")
+    def __init__(self, name: str = "halfway-w", env: dict[str, str] | None = None) -> None:
+        super().__init__(name, env)
 
     def services(self, pairs: int) -> list[str]:
         return [*(["worker"] * pairs), "reconciler"]
@@ -843,7 +854,8 @@ def report(systems: list[System], floor: Floor, args: argparse.Namespace, second
         print(f"{name}'s critical path per step: ({appends} appends + {JOURNAL_HOPS} hops) / "
               f"{STEPS} = {paths[name]:.3f} ms")
     print("ratios (overhead per step, p50):")
-    for name in PEERS:
+    peers = [*PEERS, *(f"w-{label}" for label, _ in args.variant)]
+    for name in peers:
         if name not in overhead:
             continue
         own = paths.get(name, paths["halfway-w"])
@@ -851,9 +863,9 @@ def report(systems: list[System], floor: Floor, args: argparse.Namespace, second
                 f"{overhead[name] / hop50:6.1f}x a hop, "
                 f"{overhead[name] / own:5.2f}x {name if name in paths else 'halfway-w'}'s "
                 f"critical path")
-        others = [f"{overhead[name] / overhead[o]:.2f}x {o}" for o in PEERS
+        others = [f"{overhead[name] / overhead[o]:.2f}x {o}" for o in peers
                   if o != name and o in overhead and overhead[o] > 0]
-        if name.startswith("halfway") and others:
+        if name.startswith(("halfway", "w-")) and others:
             line += f"; {name} = " + ", ".join(others)
         print(line)
     for halfway in systems:
@@ -875,6 +887,21 @@ def report(systems: list[System], floor: Floor, args: argparse.Namespace, second
         print("versions: " + "; ".join(versions))
 
 
+def variant(text: str) -> tuple[str, dict[str, str]]:
+    """`--variant LABEL:VAR=VALUE[,VAR=VALUE]` as (label, environment)."""
+    label, _, assignments = text.partition(":")
+    if not re.fullmatch(r"[a-z0-9_-]{1,7}", label):
+        raise argparse.ArgumentTypeError(f"{label!r}: a label is 1-7 of a-z 0-9 _ - "
+                                         "(it names topics and a table row)")
+    env = {}
+    for assignment in filter(None, assignments.split(",")):
+        name, eq, value = assignment.partition("=")
+        if not eq or not name:
+            raise argparse.ArgumentTypeError(f"{assignment!r} is not VAR=VALUE")
+        env[name] = value
+    return label, env
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -887,6 +914,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip", default="", help=f"comma-separated, of {','.join(PEERS)}")
     parser.add_argument("--pairs", type=int, default=1,
                         help="halfway decider+executor pairs sharing the work (scale-out)")
+    parser.add_argument("--variant", action="append", default=[], type=variant,
+                        metavar="LABEL:VAR=VALUE[,VAR=VALUE]",
+                        help="also run workers with these environment variables, as system "
+                             "w-LABEL, interleaved with the others (repeatable): an A/B in one "
+                             "run, e.g. base:PYTHONPATH=/path/to/other/checkout/services")
     parser.add_argument("--cache", type=Path, default=Path(os.environ.get(
         "HALFWAY_BENCH_CACHE", "~/.cache/halfway-bench")).expanduser())
     args = parser.parse_args()
@@ -916,6 +948,7 @@ async def main(args: argparse.Namespace) -> None:
     systems: list[System] = [Direct()]
     for cls in (Halfway, HalfwayWorker, Restate, Dbos):
         systems.append(cls())
+    systems += [HalfwayWorker(f"w-{label}", env) for label, env in args.variant]
     floor = Floor(run_id)
     http = new_client(16)
     try:

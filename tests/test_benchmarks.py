@@ -40,12 +40,13 @@ async def test_recovery_restarts_from_snapshots_without_losing_partitions(
 
 
 @pytest.mark.broker
-async def test_side_by_side_prints_a_row_for_each_halfway_system(
+async def test_side_by_side_prints_a_row_for_each_halfway_system_and_variant(
         infrastructure: None, tmp_path: Path) -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, str(ROOT / "benchmarks" / "side_by_side.py"), "--skip", "restate,dbos",
         "--rounds", "1", "--tasks", "4", "--callers", "2", "--inflight", "8",
         "--floor-samples", "20", "--cache", str(tmp_path),
+        "--variant", "same:HALFWAY_LOG_LEVEL=ERROR",  # an A/B's second worker set, in the run
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=ROOT)
     try:
         async with asyncio.timeout(SIDE_BY_SIDE_TIMEOUT_S):
@@ -56,7 +57,7 @@ async def test_side_by_side_prints_a_row_for_each_halfway_system(
             await proc.wait()
     assert proc.returncode == 0, out[-3000:]
     number = r"[\d,.]+"
-    for system in ("halfway", "halfway-w"):
+    for system in ("halfway", "halfway-w", "w-same"):
         row = rf"^{re.escape(system)}\s+{number}\s+{number}\s+\S+\s+{number}\s+{number}\s+{number}$"
         assert re.search(row, out, re.MULTILINE), out[-3000:]
     assert re.search(r"^restate\s+not run: skipped", out, re.MULTILINE), out[-3000:]
