@@ -181,9 +181,10 @@ class Projector:
                 self._log.warning("the read model was built from another Kafka cluster's "
                                   "journal; dropping it and rebuilding from this one",
                                   schema=self.schema, cluster_id=source)
-                await store.drop_schema(self._conn, self.schema)
-                await store.migrate(self._conn, self.schema)
-                await store.claim_source(self._conn, self.schema, source, self.topic)
+                async with self._conn.transaction():  # readers see the old or the new, whole
+                    await store.drop_schema(self._conn, self.schema)
+                    await store.migrate(self._conn, self.schema)
+                    await store.claim_source(self._conn, self.schema, source, self.topic)
             self._consumer = AIOKafkaConsumer(
                 **self.settings.client(), group_id=self.group,
                 enable_auto_commit=False,  # the offsets that count are in PostgreSQL
