@@ -1,5 +1,6 @@
-"""The executor's fences, in-process: a paused executor does not send late, and an unkeyed
-attempt goes out only from the executor whose record of it is first in the log.
+"""The executor's fences, in-process: a paused executor does not send late, and an attempt
+goes out only from the executor whose record of it is first in the log, while the effect is
+still open for it there (not settled for good, its task not called off before it).
 
 The journal here is a stand-in (a writer that records, a follower that answers): what is under
 test is the executor's own decision to send or not, which no broker can show deterministically.
@@ -157,11 +158,50 @@ async def test_an_unkeyed_attempt_is_sent_only_when_its_record_is_first_in_the_l
     assert provider.sent == []
 
 
-async def test_a_keyed_attempt_needs_no_confirmation_the_provider_dedupes_it() -> None:
-    ex, writer, provider, _ = executor(EffectClass.KEYED)
-    ex.follower.first = lambda: [Stamper("mail-1").attempted(1, 1)]  # type: ignore[attr-defined]
+@pytest.mark.parametrize("effect_class", [EffectClass.KEYED, EffectClass.IDEMPOTENT])
+async def test_a_keyed_attempt_is_read_back_too_the_key_does_not_cover_a_stale_fold(
+        effect_class: EffectClass) -> None:
+    """The chaos suite's case: this executor was paused, its successor attempted, the
+    request never reached the provider, and the step was settled not_done. The provider
+    never saw the key, so a late copy would be the first request under it."""
+    ex, writer, provider, s = executor(effect_class)
+    other = [s.attempted(1, 1), s.settled(1, Outcome.NOT_DONE, attempt=1)]
+    ex.follower.first = lambda: other  # type: ignore[attr-defined]
     await call_once(ex, writer)
-    assert provider.sent == ["mail-1:1"]
+    assert provider.sent == []
+    assert fold(writer.events).step(1).effect.settlement is None  # the successor's stands
+
+    ex, writer, provider, s = executor(effect_class)
+    await call_once(ex, writer)
+    assert provider.sent == ["mail-1:1"]  # read back as the first: sent
+
+
+async def test_an_attempt_is_not_sent_once_the_step_was_settled_for_good_meanwhile() -> None:
+    ex, writer, provider, s = executor(EffectClass.KEYED)
+    # An operator settled the step while this executor was paused before its attempt.
+    settled = s.settled(1, Outcome.NOT_DONE)
+    ex.follower.first = lambda: [settled]  # type: ignore[attr-defined]
+    await call_once(ex, writer)
+    assert provider.sent == []
+    assert fold([*writer.events[:-1], settled, writer.events[-1]]).step(1).effect.outcome \
+        is Outcome.NOT_DONE
+
+
+@pytest.mark.parametrize("effect_class", [EffectClass.KEYED, EffectClass.UNKEYED])
+async def test_a_first_attempt_is_not_sent_once_the_task_was_aborted_and_says_so(
+        effect_class: EffectClass) -> None:
+    """A step not sent before its task was called off is never sent. Its first attempt is
+    this record alone (read back as the first), so it is settled as never sent: `not_done`,
+    which the saga and the user can rely on."""
+    ex, writer, provider, s = executor(effect_class)
+    aborted = s.aborted()
+    ex.follower.first = lambda: [aborted]  # type: ignore[attr-defined]
+    await call_once(ex, writer)
+    assert provider.sent == []
+    settled = writer.events[-1]
+    assert settled.type == "step.settled"
+    assert settled.outcome is Outcome.NOT_DONE  # type: ignore[attr-defined]
+    assert "called off before its first attempt went out" in settled.reason  # type: ignore[attr-defined]
 
 
 async def test_an_attempt_paused_past_the_send_window_is_never_sent() -> None:

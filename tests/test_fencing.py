@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -24,12 +25,14 @@ from halfway.contract import (
     DecidedBy,
     EffectClass,
     FinalState,
+    Outcome,
     StepIntended,
     mint_key,
 )
 from halfway.contract.topics import JOURNAL
 from halfway.core.fold import fold
 from halfway.journal.replay import partition_of
+from halfway.resolve import abort_task
 from halfway.settings import KafkaSettings
 
 pytest.register_assert_rewrite("tests.processes")
@@ -197,3 +200,81 @@ async def test_a_step_journaled_after_its_task_finished_is_never_executed(c: Clu
     assert not [e for e in events if getattr(e, "step_id", None) == step_id
                 and e.type != "step.intended"]
     assert not charges_for(await c.ledger(), step_id)
+
+
+async def test_an_executor_frozen_before_its_attempt_never_sends_once_the_task_was_aborted(
+        c: Cluster) -> None:
+    """An executor decides on its own fold, which a pause leaves stale. Frozen just before it
+    journals a step's first attempt, it misses the task's abort; thawed, it journals the
+    attempt anyway. Nothing has reached the provider under the key, so that request would be
+    the first and charge after the journal called the task off: it is read back first, and
+    settled as never sent."""
+    frozen = await c.start("executor", HALFWAY_FAILPOINTS="executor.attempting=stop@frozen-")
+    for service in ("decider", "reconciler"):
+        await c.start(service)
+    x = new_id("frozen", set(range(PARTITIONS)))
+    await c.publish(renewal_request(x, reask=False))
+    await until(lambda: stopped(frozen), "the executor frozen just before its attempt")
+    assert c.writer is not None
+    aborted = await abort_task(c.settings, x, reason="the customer cancelled", by="tester",
+                               writer=c.writer)
+    frozen.process.send_signal(signal.SIGCONT)
+    attempt = await c.journal.first(lambda e: e.task_id == x and e.type == "step.attempted",
+                                    "the thawed executor's late attempt", WAIT_S)
+    await c.journal.until_finished([x], WAIT_S)
+    events = await journal_now(c.settings)
+    mine = [e for e in events if e.task_id == x]
+    assert [e.event_id for e in mine].index(aborted.event_id) < \
+        [e.event_id for e in mine].index(attempt.event_id)  # late, after the abort
+    state = fold(mine, x)
+    step = state.step(1)
+    assert step is not None
+    assert step.effect.outcome is Outcome.NOT_DONE, step.effect
+    assert "called off before its first attempt went out" in (step.effect.settlement.reason
+                                                               or "")
+    assert state.final_state is not FinalState.SUCCEEDED
+    key = mint_key(f"{x}:1")
+    assert not [r for r in await c.sim_requests() if r["idempotency_key"] == key]
+    assert not charges_for(await c.ledger(), f"{x}:1")
+
+
+async def test_an_executor_frozen_before_its_attempt_never_sends_after_its_successor_settled(
+        c: Cluster) -> None:
+    """What the chaos suite found (`benchmarks/chaos.py --tasks 2000 --seed 7`): an executor
+    frozen just before a step's first attempt loses the partition; its successor attempts,
+    the provider refuses the connection, and the step is settled `not_done` (never reached
+    it) and the task finished. Thawed, the first executor journals its own attempt 1 and,
+    without reading it back, would send it: the provider never saw the key, so it would
+    charge. Read back, its record is not the first of attempt 1 (or its partition has moved
+    on), and nothing is sent."""
+    frozen = await c.start("executor", HALFWAY_FAILPOINTS="executor.attempting=stop@frozen-")
+    await until(lambda: assigned(frozen, "executor") == set(range(PARTITIONS)),
+                "the first executor's assignment")
+    for service in ("decider", "reconciler"):
+        await c.start(service)
+    x = new_id("frozen", set(range(PARTITIONS)))
+    await c.publish(renewal_request(x, reask=False))
+    await until(lambda: stopped(frozen), "the executor frozen just before its attempt")
+    with socket.socket() as closed:  # a port nobody listens on: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    await c.start("executor", HALFWAY_PAYSIM_URL=dead)
+    finished = await c.journal.until_finished([x], WAIT_S)
+    assert finished[x].final_state is FinalState.FAILED
+    frozen.process.send_signal(signal.SIGCONT)
+    # It reads its attempt back (not the first of attempt 1), or finds the partition gone.
+    refusals = await until(lambda: [e for e in frozen.log_events()
+                                    if str(e.get("event")).startswith("not sent: ")],
+                           "the thawed executor's refusal to send")
+    assert refusals[0]["task_id"] == x
+    events = await journal_now(c.settings)
+    state = fold([e for e in events if e.task_id == x], x)
+    attempts = [e for e in events if e.task_id == x and e.type == "step.attempted"]
+    assert len(attempts) == 2, attempts  # the successor's, then the thawed one's
+    step = state.step(1)
+    assert step is not None
+    assert step.effect.outcome is Outcome.NOT_DONE
+    assert "never reached the provider" in (step.effect.settlement.reason or "")
+    key = mint_key(f"{x}:1")
+    assert not [r for r in await c.sim_requests() if r["idempotency_key"] == key]
+    assert not charges_for(await c.ledger(), f"{x}:1")

@@ -18,12 +18,14 @@ from halfway.contract import (
     CompensationAttempted,
     CompensationChecked,
     CompensationSettled,
+    Outcome,
     StepAttempted,
     StepChecked,
     StepSettled,
+    parse_step_id,
 )
 from halfway.core import saga
-from halfway.core.fold import EffectState, TaskState
+from halfway.core.fold import Attempt, EffectState, TaskState
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,3 +79,35 @@ def effects_to_work(state: TaskState, now: datetime) -> list[Effect]:
             out.append(Effect(True, intent.task_id, step.step_id, plan.tool, plan.args,
                               plan.key, step.undo))
     return out
+
+
+def why_not_send(state: TaskState | None, effect: Effect, attempted: Attempt,
+                 placed_intent: str | None = None) -> tuple[str, bool] | None:
+    """Whether an attempt this executor journaled may go out, asked of its fold once that has
+    read the attempt back: None if so, else why not, and whether this executor's record is
+    the only one of the attempt that could be sent (then it is settled as never sent).
+
+    It may go only while the effect is still open for it at its place in the log: its
+    record is the first of its attempt number, nothing settled the effect for good (`done`,
+    `not_done`), and for a step's first attempt, its task was neither aborted nor over. The
+    attempt was decided on the executor's own fold, which a pause can leave stale; the log
+    is the arbiter. (`placed_intent`: the decision journaled with the attempt, which the log
+    must have taken as the step's.)"""
+    _, n = parse_step_id(effect.step_id)
+    step = None if state is None else state.step(n)
+    if placed_intent is not None and (step is None or step.intent.event_id != placed_intent):
+        return "the log did not take the decision journaled with it", False
+    known = None if step is None else (step.undo if effect.undo else step.effect)
+    first = next((a for a in (known.attempts if known else ())
+                  if a.attempt == attempted.attempt), None)
+    if first is None or first.event_id != attempted.event_id:
+        return "another executor's attempt came first in the log", False
+    if known is not None and known.outcome in (Outcome.DONE, Outcome.NOT_DONE):
+        return f"the effect was settled {known.outcome.value} meanwhile", False
+    if not effect.undo and attempted.attempt == 1 and state is not None and \
+            (state.aborted is not None or state.finished is not None):
+        # A step not sent before its task was called off is never sent (`saga.called_off`).
+        # Its first attempt is this record, so no other copy of it goes out. (A later
+        # attempt is a retry of one that may have happened: it goes on as for any step.)
+        return "the task was called off before its first attempt went out", True
+    return None

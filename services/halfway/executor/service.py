@@ -12,10 +12,11 @@ the reconciler looks it up before anything else is sent. A step never sent whose
 aborted, or whose saga is being undone, is settled `not_done` instead of sent.
 
 Fencing: the executor runs only what the fold accepted (a late `step.intended` of a paused
-decider never becomes a step). A paused executor is fenced too: an attempt is sent only within
-`send_window_s` of its journaled start (checked just before sending), and an `unkeyed` tool,
-which nothing at the provider dedupes, is sent only by the executor whose `step.attempted` is
-first in the log for that attempt (it waits until its own fold has read its write back).
+decider never becomes a step). A paused executor is fenced too: an attempt is sent only once
+its own fold has read it back and found the effect still open for it there (its
+`step.attempted` first in the log for that attempt, no `done` or `not_done` before it, the
+task not aborted or over: `_why_not_send`), and only within `send_window_s` of its journaled start
+(checked just before sending).
 
 In a worker, the decider hands each decision here before journaling it (`place`): when this
 executor would attempt the step at once, the decision and its first attempt are journaled in
@@ -50,7 +51,7 @@ from halfway.contract import (
 )
 from halfway.core.args import parse_args
 from halfway.core.classify import NotSent, Replied, TimedOut, classify
-from halfway.core.effects import Effect, effects_to_work
+from halfway.core.effects import Effect, effects_to_work, why_not_send
 from halfway.core.fold import Attempt, Settlement, TaskState, apply
 from halfway.core.next_action import (
     Action,
@@ -75,7 +76,8 @@ from halfway.tools.spec import CallContext, Succeeded
 CALLS_IN_FLIGHT_MAX = 1000
 # A guard beyond the adapter's own timeout: an adapter that hangs is a timeout too.
 TIMEOUT_GRACE_S = 2.0
-# How long an unkeyed attempt waits for its own record to be read back (then it is not sent).
+# How long an attempt waits for its own record to be read back, at most (then it is not sent);
+# never past its send window, after which it would not be sent anyway.
 CONFIRM_TIMEOUT_S = 10.0
 # Moves this executor has said it does not serve, remembered (oldest forgotten first) so that
 # saying it is never news to itself: the journal keeps only a step's latest `step.unserved`,
@@ -241,6 +243,8 @@ class Executor(StepWorker):
             case Call(attempt=n):
                 assert tool is not None
                 spec = tool.spec
+                if placing is None:
+                    failpoint("executor.attempting", task_id)  # tests: paused, fold going stale
                 attempted = effect.attempted(stamp(task_id), n, datetime.now(UTC))
                 if placing is None:
                     meta = await self._write(attempted)
@@ -251,9 +255,17 @@ class Executor(StepWorker):
                     placing.tell(decided)
                 # Write before acting: from here on, a crash leaves "attempted, no outcome".
                 args = parse_args(spec.args_model, dict(effect.args))
-                if not await self._may_send(effect, spec.effect_class, attempted, meta,
-                                            placing):
-                    return None
+                refusal = await self._why_not_send(
+                    effect, attempted, meta, placing,
+                    min(CONFIRM_TIMEOUT_S, spec.policy().send_window_s))
+                if refusal is not None:
+                    why, ours_alone = refusal
+                    self._log.warning(f"not sent: {why}", attempt=n)
+                    if not ours_alone:
+                        return None  # someone else's attempt, or the log's word, stands
+                    verdict = classify(NotSent(f"not sent: {why}"), attempt=n)
+                    return effect.settled(stamp(task_id), outcome=verdict.outcome, attempt=n,
+                                          source=SettlementSource.CALL, reason=verdict.reason)
                 late_s = (datetime.now(UTC) - attempted.started_at).total_seconds()
                 if late_s > spec.policy().send_window_s:
                     # Paused between the journal and the wire: the world may have moved on
@@ -317,32 +329,29 @@ class Executor(StepWorker):
                     return
         await self._write(settled)
 
-    async def _may_send(self, effect: Effect, effect_class: EffectClass, attempted: Attempt,
-                        meta: RecordMetadata, placing: Placing | None) -> bool:
-        """An unkeyed attempt goes out only from the executor whose record of it is first in
-        the log: two executors (one paused, one that took over) may both have journaled it,
-        and nothing at the provider would tell their requests apart. An attempt journaled
-        with its decision (`place`) goes out only if the log took that decision: a worker
-        paused before its append may find the task finished, or the step decided by another."""
-        if effect_class is not EffectClass.UNKEYED and placing is None:
-            return True  # the provider dedupes every copy by our key
-        if not await self.follower.applied(meta.partition, meta.offset, CONFIRM_TIMEOUT_S):
-            self._log.warning("not sent: the partition moved before the attempt was confirmed")
-            return False
-        state = self.follower.states.get(effect.task_id)
-        step = state.step(parse_step_id(effect.step_id)[1]) if state is not None else None
-        if placing is not None and (step is None or
-                                    step.intent.event_id != placing.intent.event_id):
-            self._log.warning("not sent: the log did not take the decision journaled with it")
-            return False
-        known = None if step is None else (step.undo if effect.undo else step.effect)
-        first = next((a for a in (known.attempts if known else ())
-                      if a.attempt == attempted.attempt), None)
-        if first is None or first.event_id != attempted.event_id:
-            self._log.warning("not sent: another executor's attempt came first in the log",
-                              attempt=attempted.attempt)
-            return False
-        return True
+    async def _why_not_send(self, effect: Effect, attempted: Attempt, meta: RecordMetadata,
+                            placing: Placing | None, wait_s: float) -> tuple[str, bool] | None:
+        """Why a journaled attempt must not be sent (None: send it), and whether this
+        executor's record of it is the only one that could be sent (then it is settled as
+        never sent): `effects.why_not_send`, asked once this executor's fold has read the
+        attempt back.
+
+        The attempt was decided on this process's fold, which a pause can leave stale: it
+        may wake and journal an attempt after another executor took the partition over,
+        attempted, and settled the step `not_done` because its request never reached the
+        provider (or after an operator aborted the task). The key does not protect that: the
+        provider never saw it, so the late copy would be the first request under it, and
+        charge after the journal said not done. Unkeyed attempts need it besides: two
+        executors may both have journaled one, and nothing at the provider would tell their
+        requests apart. An attempt journaled with its decision (`place`) goes out only if
+        the log took that decision too: a worker paused before its append may find the task
+        finished, or the step decided by another. Usually free: an executor that has folded
+        everything before its own append folds that at once (`local_appends`), and only one
+        that is behind waits for its fetch."""
+        if not await self.follower.applied(meta.partition, meta.offset, wait_s):
+            return "the partition moved before the attempt was read back here", False
+        return why_not_send(self.follower.states.get(effect.task_id), effect, attempted,
+                            None if placing is None else placing.intent.event_id)
 
     async def _write(self, event: Event) -> RecordMetadata:
         return (await self._write_all(event))[0]

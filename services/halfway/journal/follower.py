@@ -423,22 +423,24 @@ class JournalFollower:
             await asyncio.gather(*(one(t) for t in ids[start:start + ACTS_AT_ONCE_MAX]))
 
     async def applied(self, partition: int, offset: int, timeout_s: float) -> bool:
-        """Wait until the journal partition's record at `offset` is folded. False if the
-        partition was revoked meanwhile, or `timeout_s` passed."""
+        """Wait until the journal partition's record at `offset` is folded here. A partition
+        revoked meanwhile may come back (a rebalance takes every partition away before it
+        assigns them again): then it is once it is read that far again. False if that has
+        not happened within `timeout_s` (the partition went to another instance)."""
         tp = TopicPartition(self._journal, partition)
 
         def reached() -> bool:
             part = self._partitions.get(tp)
-            return part is None or part.applied_to >= offset
+            return part is not None and part.applied_to >= offset
 
         if reached():  # folded as it was appended, the common case: no lock, no timer
-            return tp in self._partitions
+            return True
         try:
             async with asyncio.timeout(timeout_s), self._progress:
                 await self._progress.wait_for(reached)
         except TimeoutError:
             return False
-        return tp in self._partitions
+        return True
 
     def take_webhooks(self, task_id: str) -> list[HeldWebhook]:
         """The task's webhooks whose order against the journal is now known, once."""
