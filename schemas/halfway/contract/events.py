@@ -332,7 +332,10 @@ class _Settlement(_StepEvent):
     evidence: JsonObject | None = Field(None, description="What proves `done`.")
     reason: str | None = Field(None, description="Why `not_done`, or why it is `unknown`.")
     source: SettlementSource
-    attempt: int | None = Field(None, ge=1, description="The attempt this settles, if one.")
+    attempt: int | None = Field(
+        None, ge=1, description="The attempt this settles, if one. A `not_done` that names one "
+                                "covers the attempts up to it: a later attempt before it in "
+                                "the log is not covered, and the fold does not apply it.")
     effect_id: str | None = Field(
         None, min_length=1, max_length=255,
         description="The provider's name for the effect (a charge id, a booking ref). Two "

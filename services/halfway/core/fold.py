@@ -15,6 +15,8 @@ harmless with three rules:
    another decision than the step's, `intent_id`, is not the step's at all); the same for the
    task events and for compensations.
 3. Settlements: a step's outcome is its first definitive settlement (`done` or `not_done`).
+   A `not_done` that names the last attempt it covers proves nothing when a later attempt
+   is before it in the log (its writer had not read that one): it is not applied.
    An `unknown` is only ever replaced by a definitive one, and a definitive one is never
    replaced. A later definitive settlement that contradicts it is kept in `contradictions` and
    surfaced; it is never silently dropped. A later one that agrees is redundant, unless it
@@ -181,6 +183,12 @@ class EffectState:
         current = self.settlement
         if event.contradiction is not None:
             return self._contradicted_by(event)  # a report that cannot settle the effect
+        if event.outcome is Outcome.NOT_DONE and event.attempt is not None and \
+                self.attempts and self.attempts[-1].attempt > event.attempt:
+            # A proof about the attempts up to `attempt` (its request never left, a lookup
+            # found nothing after it), written before its writer read a later attempt that
+            # is before it in the log: it says nothing of that one, which may go out.
+            return self
         if event.outcome is Outcome.UNKNOWN:
             if current is not None and current.outcome is not Outcome.UNKNOWN:
                 return self  # an unknown never replaces a definitive outcome

@@ -238,8 +238,11 @@ class Reconciler(StepWorker):
         detail = getattr(found, "detail", "nothing found")
         after = on_nothing_found(effect.state, tool.spec.policy(), now)
         if isinstance(after, SettleNotDone):
+            # It covers the attempts this fold has: one journaled meanwhile (an executor's
+            # retry) voids it in the log (halfway.core.fold, rule 3).
+            last = max((a.attempt for a in effect.state.attempts), default=None)
             await self._write(effect.settled(stamp(task_id, now), outcome=Outcome.NOT_DONE,
-                                             source=SettlementSource.LOOKUP,
+                                             source=SettlementSource.LOOKUP, attempt=last,
                                              reason=after.reason))
             return
         if after is None:
