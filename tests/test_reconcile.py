@@ -11,7 +11,12 @@ from halfway.contract import EffectClass, Outcome, SettlementSource
 from halfway.contract.webhooks import WebhookReceived
 from halfway.core import fold
 from halfway.core.fold import EffectState
-from halfway.core.next_action import SettleNotDone, StepPolicy, on_nothing_found
+from halfway.core.next_action import (
+    SettleNotDone,
+    StepPolicy,
+    on_lookup_failed,
+    on_nothing_found,
+)
 from halfway.core.reconcile import (
     Corroborate,
     Ignore,
@@ -195,3 +200,16 @@ def test_nothing_found_proves_not_done_only_past_a_declared_completion_bound(s: 
     assert isinstance(on_nothing_found(effect, unbounded, sent + timedelta(seconds=10)),
                       datetime)
     assert on_nothing_found(effect, unbounded, sent + timedelta(days=1)) is None  # window over
+
+
+def test_a_lookup_that_failed_never_proves_not_done(s: Stamper) -> None:
+    """The chaos suite (2000 tasks, seed 10): lookups refused during a window of refused
+    connections were taken as "nothing found", and 30 s after the last attempt, as proof of
+    not_done, for four charges that had landed. A failed lookup saw nothing: look again."""
+    effect = unknown_effect(s)
+    sent = effect.attempts[0].started_at
+    bounded = StepPolicy(EffectClass.KEYED, timeout_s=5, key_ttl_s=3600, completes_within_s=30)
+    for later_s in (10, 31 + bounded.send_window_s, 3600):
+        assert isinstance(on_lookup_failed(effect, bounded, sent + timedelta(seconds=later_s)),
+                          datetime)
+    assert on_lookup_failed(effect, bounded, sent + timedelta(days=1)) is None  # window over

@@ -198,6 +198,13 @@ def on_nothing_found(effect: EffectState, policy: StepPolicy,
     return plan_check(effect, policy, now)
 
 
+def on_lookup_failed(effect: EffectState, policy: StepPolicy, now: datetime) -> datetime | None:
+    """After a lookup that itself failed (refused, timed out, a 5xx): it saw nothing, so it
+    proves nothing, however long after the last attempt it came; when to look again (None:
+    lookups are over)."""
+    return plan_check(effect, policy, now)
+
+
 def plan_check(effect: EffectState, policy: StepPolicy, now: datetime) -> datetime | None:
     """When to look up again after a check that found nothing (None: no more lookups)."""
     checks_done = effect.checks

@@ -43,6 +43,7 @@ from halfway.core.next_action import (
     SettleNotDone,
     Wait,
     next_action,
+    on_lookup_failed,
     on_nothing_found,
 )
 from halfway.core.reconcile import (
@@ -61,7 +62,7 @@ from halfway.journal.records import stamp
 from halfway.journal.steps import MoveFailed, StepWorker
 from halfway.settings import KafkaSettings
 from halfway.tools.registry import Registry, Tool
-from halfway.tools.spec import CallContext, Found
+from halfway.tools.spec import CallContext, Found, LookupFailed
 
 LOOKUPS_IN_FLIGHT_MAX = 200
 # The reconciler is off the step's critical path (an unknown step is looked up seconds later, a
@@ -236,7 +237,10 @@ class Reconciler(StepWorker):
             return
         now = datetime.now(UTC)
         detail = getattr(found, "detail", "nothing found")
-        after = on_nothing_found(effect.state, tool.spec.policy(), now)
+        # Only a lookup that answered "nothing" may prove not_done (`completes_within_s`);
+        # one that failed saw nothing at all (the chaos suite's refused connections).
+        after = (on_lookup_failed if isinstance(found, LookupFailed) else on_nothing_found)(
+            effect.state, tool.spec.policy(), now)
         if isinstance(after, SettleNotDone):
             # It covers the attempts this fold has: one journaled meanwhile (an executor's
             # retry) voids it in the log (halfway.core.fold, rule 3).
