@@ -91,8 +91,11 @@ def why_not_send(state: TaskState | None, effect: Effect, attempted: Attempt,
     record is the first of its attempt number, nothing settled the effect for good (`done`,
     `not_done`), and for a step's first attempt, its task was neither aborted nor over. The
     attempt was decided on the executor's own fold, which a pause can leave stale; the log
-    is the arbiter. (`placed_intent`: the decision journaled with the attempt, which the log
-    must have taken as the step's.)"""
+    is the arbiter. A key does not cover that: after a successor's request never reached the
+    provider (settled `not_done`), a late copy would be the first request under the key.
+    Nothing at all dedupes an `unkeyed` one. (`placed_intent`: the decision journaled with
+    the attempt, which the log must have taken as the step's: a worker paused before its
+    append may find the task finished, or the step decided by another.)"""
     _, n = parse_step_id(effect.step_id)
     step = None if state is None else state.step(n)
     if placed_intent is not None and (step is None or step.intent.event_id != placed_intent):

@@ -243,8 +243,7 @@ class Executor(StepWorker):
             case Call(attempt=n):
                 assert tool is not None
                 spec = tool.spec
-                if placing is None:
-                    failpoint("executor.attempting", task_id)  # tests: paused, fold going stale
+                failpoint("executor.attempting", task_id)  # tests: paused, fold going stale
                 attempted = effect.attempted(stamp(task_id), n, datetime.now(UTC))
                 if placing is None:
                     meta = await self._write(attempted)
@@ -331,23 +330,10 @@ class Executor(StepWorker):
 
     async def _why_not_send(self, effect: Effect, attempted: Attempt, meta: RecordMetadata,
                             placing: Placing | None, wait_s: float) -> tuple[str, bool] | None:
-        """Why a journaled attempt must not be sent (None: send it), and whether this
-        executor's record of it is the only one that could be sent (then it is settled as
-        never sent): `effects.why_not_send`, asked once this executor's fold has read the
-        attempt back.
-
-        The attempt was decided on this process's fold, which a pause can leave stale: it
-        may wake and journal an attempt after another executor took the partition over,
-        attempted, and settled the step `not_done` because its request never reached the
-        provider (or after an operator aborted the task). The key does not protect that: the
-        provider never saw it, so the late copy would be the first request under it, and
-        charge after the journal said not done. Unkeyed attempts need it besides: two
-        executors may both have journaled one, and nothing at the provider would tell their
-        requests apart. An attempt journaled with its decision (`place`) goes out only if
-        the log took that decision too: a worker paused before its append may find the task
-        finished, or the step decided by another. Usually free: an executor that has folded
-        everything before its own append folds that at once (`local_appends`), and only one
-        that is behind waits for its fetch."""
+        """`effects.why_not_send` (the rule, and why every attempt needs it), asked once this
+        executor's fold has read the attempt back. Usually free: an executor that has folded
+        everything before its own append folds that at once (`local_appends`); one that is
+        behind waits for its fetch."""
         if not await self.follower.applied(meta.partition, meta.offset, wait_s):
             return "the partition moved before the attempt was read back here", False
         return why_not_send(self.follower.states.get(effect.task_id), effect, attempted,
