@@ -4,7 +4,9 @@
 
 Every part runs as its own process, configured through the environment as in a deployment: a
 Kafka broker of the run's own (`chaos_broker`: it is killed, so never the shared one), two (or
-`--instances`) of each service (decider, executor, reconciler, outcomes publisher), the webhook
+`--instances`) of each service (decider, executor, reconciler, outcomes publisher; with
+`--workers`, workers in place of deciders and executors: each a decider and an executor in one
+process, sharing their folds and journaling a settlement with the next move), the webhook
 gateway, and paysim sending signed webhooks to the gateway. The services reach paysim through a
 relay whose port can be shut (`chaos_gate`), so refused connections happen too.
 
@@ -104,9 +106,10 @@ from halfway.settings import HOST, KafkaSettings  # noqa: E402
 # --- bounds and shapes (every wait is bounded by one of these) ----------------------------------
 
 SERVICE_KINDS = ("decider", "executor", "reconciler", "outcomes")
+WORKER_KINDS = ("worker", "reconciler", "outcomes")  # --workers: a worker is both of the first two
 GATEWAY = "gateway"
 GATEWAYS = 1  # paysim sends webhooks to one URL, so one gateway on one port (kept on restarts)
-WRITERS = ("decider", "executor", "reconciler", GATEWAY)  # what writes the journal and webhooks
+READERS = ("outcomes",)  # what only reads the journal: it stops after the writers
 START_TIMEOUT_S = 90.0  # ten cold interpreters at once on two cores, each joining its group
 STOP_TIMEOUT_S = 15.0  # SIGTERM to exit; then SIGKILL
 READY_POLL_S = 0.1
@@ -172,10 +175,23 @@ class ChaosConfig:
     # the services may rely on (compressed, like the key lifetime; a real paysim's is 660 s).
     completes_within_s: float = 10.0
     fault_scale: float = 1.0
-    kill_kinds: tuple[str, ...] = (*SERVICE_KINDS, GATEWAY)  # who kill -9 may hit
-    pause_kinds: tuple[str, ...] = (*SERVICE_KINDS, GATEWAY)  # who a short SIGSTOP may hit
-    long_pause_kinds: tuple[str, ...] = (*SERVICE_KINDS, GATEWAY)  # who a long one may hit
+    workers: bool = False  # worker processes in place of deciders and executors
+    # Who kill -9, a short SIGSTOP and a long one may hit; None: every kind of the run.
+    kill_kinds: tuple[str, ...] | None = None
+    pause_kinds: tuple[str, ...] | None = None
+    long_pause_kinds: tuple[str, ...] | None = None
     run_dir: Path | None = None
+
+    def service_kinds(self) -> tuple[str, ...]:
+        return WORKER_KINDS if self.workers else SERVICE_KINDS
+
+    def all_kinds(self) -> tuple[str, ...]:
+        """Every kind of process the fleet runs, the gateway included."""
+        return (*self.service_kinds(), GATEWAY)
+
+    def writers(self) -> tuple[str, ...]:
+        """What writes the journal and the webhooks topic."""
+        return tuple(k for k in self.all_kinds() if k not in READERS)
 
     def window(self) -> float:
         if self.window_s is not None:
@@ -663,9 +679,10 @@ class Chaos:
         self.fleet = fleet
         # Victims' kinds take turns (in a seeded order), so that a few kills reach every kind;
         # the instance within a kind is drawn at random.
-        self.kill_turns = _turns(config.kill_kinds, rng)
-        self.pause_turns = _turns(config.pause_kinds, rng)
-        self.long_pause_turns = _turns(config.long_pause_kinds, rng)
+        every = config.all_kinds()
+        self.kill_turns = _turns(config.kill_kinds or every, rng)
+        self.pause_turns = _turns(config.pause_kinds or every, rng)
+        self.long_pause_turns = _turns(config.long_pause_kinds or every, rng)
         self.broker = broker
         self.gate = gate
         self.rng = rng
@@ -872,9 +889,10 @@ async def _run(config: ChaosConfig, run_dir: Path) -> Report:
         await writer.start()
         cleanup.append(writer.stop)
 
-        counts = {kind: config.instances for kind in SERVICE_KINDS} | {GATEWAY: GATEWAYS}
+        counts = {kind: config.instances for kind in config.service_kinds()} | {
+            GATEWAY: GATEWAYS}
         fleet = Fleet(env, run_dir, counts, chaos_log)
-        cleanup.append(lambda: fleet.stop([*SERVICE_KINDS, GATEWAY]))
+        cleanup.append(lambda: fleet.stop(config.all_kinds()))
         await fleet.start()
         chaos_log.note("fleet ready", pids=fleet.pids())
         ready_s = time.monotonic() - wall_started
@@ -909,14 +927,14 @@ async def _run(config: ChaosConfig, run_dir: Path) -> Report:
 
         # The journal's writers stop, so the journal's end is final; the outcomes publishers
         # then get to catch up with it (bounded) before they stop too.
-        await fleet.stop(WRITERS)
+        await fleet.stop(config.writers())
         folded = await replay(settings)
         settle_started = time.monotonic()
         outcomes_settled = await outcomes_view.live.until(
             lambda: outcomes_agree(outcomes_view.last, folded.states, ids),
             config.outcomes_settle_s)
         outcomes_settle_s = time.monotonic() - settle_started
-        await fleet.stop(SERVICE_KINDS)
+        await fleet.stop(config.service_kinds())
         outcomes = last_outcomes([m async for m in read_outcomes(settings)])
 
         ledger = (await _sim(sim, "GET", "/_sim/ledger"))["charges"]
@@ -946,7 +964,7 @@ async def _run(config: ChaosConfig, run_dir: Path) -> Report:
                        "by_kind": dict(Counter(e["slot"].rsplit("-", 1)[0]
                                                for e in chaos_log.entries
                                                if e["what"] == "SIGSTOP"))},
-            "assignments": assignments(run_dir, SERVICE_KINDS),
+            "assignments": assignments(run_dir, config.service_kinds()),
             "settlements": settlement_counts(e for es in journal.events.values() for e in es),
             "broker_kills": broker.kills,
             "broker_down_s": [round(s, 2) for s in chaos.broker_down_s],
@@ -1007,10 +1025,13 @@ def parse_args(argv: list[str] | None) -> tuple[ChaosConfig, bool]:
                    help="how long paysim keeps keys, and the services are told so")
     p.add_argument("--fault-scale", type=float, default=d.fault_scale,
                    help="multiplies every fault probability (0: no faults at paysim)")
-    kinds = ",".join((*SERVICE_KINDS, GATEWAY))
-    p.add_argument("--kill-kinds", default=kinds, help="whom kill -9 may hit, comma-separated")
-    p.add_argument("--pause-kinds", default=kinds, help="whom a short SIGSTOP may hit")
-    p.add_argument("--long-pause-kinds", default=kinds,
+    p.add_argument("--workers", action="store_true",
+                   help="run workers (`halfway run worker`: a decider and an executor in one "
+                        "process) in place of deciders and executors")
+    p.add_argument("--kill-kinds", default=None,
+                   help="whom kill -9 may hit, comma-separated; None: every kind of the run")
+    p.add_argument("--pause-kinds", default=None, help="whom a short SIGSTOP may hit")
+    p.add_argument("--long-pause-kinds", default=None,
                    help="whom a SIGSTOP past the session timeout may hit")
     p.add_argument("--run-dir", type=Path, default=None,
                    help="where logs go (default: .halfway/chaos/run-<time>)")
@@ -1023,18 +1044,22 @@ def parse_args(argv: list[str] | None) -> tuple[ChaosConfig, bool]:
                          pauses=a.pauses, long_pauses=a.long_pauses, shuts=a.shuts,
                          broker_kill=not a.no_broker_kill,
                          charge_timeout_s=a.charge_timeout_s, key_ttl_s=a.key_ttl_s,
-                         fault_scale=a.fault_scale, run_dir=a.run_dir,
-                         kill_kinds=_kinds(p, a.kill_kinds), pause_kinds=_kinds(p, a.pause_kinds),
-                         long_pause_kinds=_kinds(p, a.long_pause_kinds))
+                         fault_scale=a.fault_scale, run_dir=a.run_dir, workers=a.workers)
+    every = config.all_kinds()
+    config.kill_kinds = _kinds(p, a.kill_kinds, every)
+    config.pause_kinds = _kinds(p, a.pause_kinds, every)
+    config.long_pause_kinds = _kinds(p, a.long_pause_kinds, every)
     return config, a.json
 
 
-def _kinds(parser: argparse.ArgumentParser, text: str) -> tuple[str, ...]:
+def _kinds(parser: argparse.ArgumentParser, text: str | None,
+           every: tuple[str, ...]) -> tuple[str, ...] | None:
+    if text is None:
+        return None
     kinds = tuple(k.strip() for k in text.split(",") if k.strip())
-    unknown = set(kinds) - {*SERVICE_KINDS, GATEWAY}
+    unknown = set(kinds) - set(every)
     if unknown or not kinds:
-        parser.error(f"unknown kinds {sorted(unknown)}: choose from "
-                     f"{', '.join((*SERVICE_KINDS, GATEWAY))}")
+        parser.error(f"unknown kinds {sorted(unknown)}: choose from {', '.join(every)}")
     return kinds
 
 

@@ -4,8 +4,8 @@ The oracle's tests are pure: hand-made journals and ledgers, each with one thing
 judged exactly (an oracle that misses a duplicate is worse than none). The run is small enough
 for CI on two cores: 200 tasks through two of each service, with kill -9s, a pause past the
 consumer session timeout, refused connections, a fault mix at the provider, duplicate and late
-webhooks, and one kill -9 of a broker of the run's own. It fails, never skips, when something
-it needs is missing.
+webhooks, and one kill -9 of a broker of the run's own; once with deciders and executors, once
+with workers (both in one process). It fails, never skips, when something it needs is missing.
 """
 
 from __future__ import annotations
@@ -188,11 +188,8 @@ TASKS = 200
 WINDOW_S = 25.0  # 8 tasks a second
 DRAIN_S = 90.0  # a 500 before commit escalates about half a key lifetime after its attempt
 KEY_TTL_S = 60.0  # well past any pause or the broker's outage: no key expires in one
-KILLS = 5  # kinds take turns: each of the five kinds is killed once
 PAUSES = 3
 LONG_PAUSES = 1  # past the session timeout: partitions move
-# A decider that wakes up as a zombie is the one that can place a step twice: the long pause's.
-LONG_PAUSE_KINDS = ("decider",)
 SHUTS = 1
 RUN_TIMEOUT_S = 240.0  # a hang guard, far above the ~100 s a run takes
 
@@ -200,11 +197,17 @@ RUN_TIMEOUT_S = 240.0  # a hang guard, far above the ~100 s a run takes
 @pytest.mark.broker
 @pytest.mark.load
 @pytest.mark.timeout(RUN_TIMEOUT_S)
-async def test_a_small_chaos_run_charges_once_and_loses_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [False, True], ids=["services", "workers"])
+async def test_a_small_chaos_run_charges_once_and_loses_nothing(tmp_path: Path,
+                                                                workers: bool) -> None:
+    # Kinds take turns, so each kind is killed once. A decider that wakes up as a zombie is
+    # the one that can place a step twice (a worker: place and send it): the long pause's.
     config = ChaosConfig(tasks=TASKS, seed=10, window_s=WINDOW_S, drain_s=DRAIN_S,
-                         kills=KILLS, pauses=PAUSES, long_pauses=LONG_PAUSES, shuts=SHUTS,
+                         pauses=PAUSES, long_pauses=LONG_PAUSES, shuts=SHUTS,
                          broker_kill=True, key_ttl_s=KEY_TTL_S, run_dir=tmp_path / "chaos",
-                         long_pause_kinds=LONG_PAUSE_KINDS)
+                         workers=workers, long_pause_kinds=("worker" if workers else "decider",))
+    kills = len(config.all_kinds())
+    config.kills = kills
     report = await run(config)
     figures = report.to_json()
     text = render(report)
@@ -213,7 +216,7 @@ async def test_a_small_chaos_run_charges_once_and_loses_nothing(tmp_path: Path) 
 
     # The chaos the test is about happened.
     assert figures["broker_kills"] == 1, text
-    assert sum(figures["kills"].values()) == KILLS, text
+    assert sum(figures["kills"].values()) == kills, text
     assert figures["pauses"]["long_moved_partitions"] >= LONG_PAUSES, text
     assert figures["published"] == TASKS, text
     assert figures["faults"]["applied"], text
