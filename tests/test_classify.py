@@ -79,3 +79,16 @@ def test_nothing_without_proof_of_refusal_is_ever_not_done(
     assert verdict.outcome is not Outcome.DONE
     assert (verdict.outcome is Outcome.NOT_DONE) == has_proof_of_refusal(failure, attempt)
     assert verdict.reason
+
+
+@given(failures, st.integers(1, 10))
+@settings(max_examples=500)
+def test_what_must_happen_ends_not_done_only_when_the_provider_refused(
+    failure: CallFailure, attempt: int,
+) -> None:
+    # An undo, or a saga's step past its pivot: a request that never left is tried again.
+    verdict = classify(failure, attempt=attempt, must_happen=True)
+    refused = isinstance(failure, Replied) and has_proof_of_refusal(failure, attempt)
+    assert (verdict.outcome is Outcome.NOT_DONE) == refused
+    if isinstance(failure, NotSent) and attempt == 1:
+        assert verdict.reason.endswith("it must happen, so it is tried again with its key")

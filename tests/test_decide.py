@@ -35,7 +35,7 @@ from halfway.core.decide import (
     WaitFor,
     accept_call,
     decide,
-    final_state_for,
+    finish_for,
 )
 from halfway.models import ModelUnavailable, RefusalView, ScriptedModel, StepView, history_of
 from tests.factories import Stamper
@@ -104,10 +104,10 @@ def test_limits_finish_the_task(s: Stamper) -> None:
 
 def test_final_state_follows_the_last_step(s: Stamper) -> None:
     base = [s.started(), s.intended(1), s.attempted(1, 1)]
-    assert final_state_for(fold([*base, s.settled(1, Outcome.DONE, attempt=1)])) \
-        is FinalState.SUCCEEDED
-    assert final_state_for(fold([*base, s.settled(1, Outcome.NOT_DONE, attempt=1)])) \
-        is FinalState.FAILED
+    assert finish_for(fold([*base, s.settled(1, Outcome.DONE, attempt=1)]), "paid") \
+        == Finish(FinalState.SUCCEEDED, "paid")
+    assert finish_for(fold([*base, s.settled(1, Outcome.NOT_DONE, attempt=1)]), "declined") \
+        == Finish(FinalState.FAILED, "declined")
 
 
 def test_accept_call_mints_the_key_and_freezes_validated_args(s: Stamper) -> None:

@@ -32,6 +32,7 @@ from halfway.core.decide import (
     ToolFacts,
     accept_call,
     decide,
+    finish_for,
 )
 from halfway.core.effects import effects_to_work
 from halfway.core.fold import fold
@@ -257,6 +258,43 @@ def test_past_the_pivot_a_saga_only_goes_forward() -> None:
     assert isinstance(trip.decide(), Ask)
 
 
+STRANDED = ("this saga is past its pivot (trip-7:2 charge_customer is done and cannot be "
+            "undone), so what is done stands: an operator must finish it")
+
+
+def test_a_saga_that_cannot_go_forward_past_its_pivot_needs_attention_never_fails() -> None:
+    # The charge is done, the itinerary was refused for good, and the model ends the task:
+    # "failed" would read as "nothing happened, safe to try again", with the card charged.
+    trip = Trip()
+    trip.run(trip.place("hold_flight"))
+    trip.run(trip.place("charge_customer"))
+    trip.run(trip.place("send_email"), Outcome.NOT_DONE)
+    end = finish_for(trip.state(), "trip booked")
+    assert end.state is FinalState.NEEDS_ATTENTION
+    assert end.summary == ("step trip-7:3 (send_email) was not done: refused: card declined; "
+                           f"{STRANDED} (the model said: trip booked)")
+    # Once the email goes out on a later step, the saga succeeds.
+    trip.run(trip.place("send_email"))
+    assert finish_for(trip.state(), "trip booked") == Finish(FinalState.SUCCEEDED, "trip booked")
+
+
+def test_a_saga_called_off_or_given_up_past_its_pivot_needs_attention() -> None:
+    trip = Trip(TaskPolicy(saga=True, max_steps=2))
+    trip.run(trip.place("hold_flight"))
+    trip.run(trip.place("charge_customer"))
+    assert trip.decide() == Finish(FinalState.NEEDS_ATTENTION,
+                                   f"reached the limit of 2 steps; {STRANDED}")
+    trip.log.append(trip.s.aborted("the customer cancelled"))
+    assert trip.decide() == Finish(FinalState.NEEDS_ATTENTION,
+                                   f"aborted by operator: the customer cancelled; {STRANDED}")
+    # Before the pivot nothing is stranded: a saga is undone (or had nothing to undo).
+    early = Trip()
+    early.run(early.place("hold_flight"), Outcome.NOT_DONE)
+    assert early.decide() == Finish(FinalState.FAILED, "step trip-7:1 (hold_flight) was not "
+                                    "done: refused: card declined; nothing was done, so nothing "
+                                    "needed undoing")
+
+
 def test_an_aborted_saga_calls_off_its_unsent_step_and_undoes_the_rest() -> None:
     trip = Trip()
     trip.run(trip.place("hold_flight"))
@@ -269,6 +307,27 @@ def test_an_aborted_saga_calls_off_its_unsent_step_and_undoes_the_rest() -> None
     move = trip.decide()
     assert isinstance(move, Compensate)
     assert move.why == "aborted by operator: the customer cancelled"
+
+
+def test_undos_and_steps_past_the_pivot_must_happen_the_rest_may_end_not_done() -> None:
+    trip = Trip()
+    trip.run(trip.place("hold_flight"))
+    trip.run(trip.place("charge_customer"))
+    trip.place("send_email")
+    must = {e.move_id: e.must_happen for e in effects_to_work(trip.state(), trip.s.now)}
+    assert must == {"trip-7:1": False, "trip-7:2": False, "trip-7:3": True}
+    undoing = Trip()
+    undoing.run(undoing.place("hold_flight"))
+    undoing.run(undoing.place("book_hotel"), Outcome.NOT_DONE)
+    move = undoing.decide()
+    assert isinstance(move, Compensate)
+    undoing.compensate(move)
+    must = {e.move_id: e.must_happen for e in effects_to_work(undoing.state(), undoing.s.now)}
+    assert must == {"trip-7:1": False, "trip-7:1:undo": True, "trip-7:2": False}
+    # Outside a saga a step's role binds nothing: a first request that never left is not_done.
+    plain = Stamper("plain-1")
+    state = fold([plain.started(), plain.intended(1, saga_role=SagaRole.RETRIABLE)])
+    assert [e.must_happen for e in effects_to_work(state, plain.now)] == [False]
 
 
 def test_an_undo_whose_arguments_cannot_be_derived_needs_attention() -> None:

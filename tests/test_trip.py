@@ -223,13 +223,16 @@ async def test_a_saga_refuses_plans_out_of_order_and_the_model_reads_why(trip: C
     await start_services(trip)
     await trip.publish(*(saga(t, script) for t, (script, _, _) in plans.items()))
     states = await trip.journal.until_finished(plans)
+    stranded = {t for t, (script, _, _) in plans.items() if "charge_customer" in str(script)}
     for task_id, (_, n, reason) in plans.items():
         state = states[task_id]
         wanted = reason.format(t=task_id)
         refusals = state.refused(n)
         assert [r.reason for r in refusals] == [wanted] * 3, refusals
         assert n not in state.steps  # nothing was placed
-        assert state.final_state is FinalState.FAILED, state.finished
+        # Past its pivot (the card charged) a saga that cannot go on needs a person.
+        assert state.final_state is (FinalState.NEEDS_ATTENTION if task_id in stranded
+                                     else FinalState.FAILED), state.finished
         assert wanted in state.finished.summary
     # The scripted model was asked again after each refusal, with the refusal in its history.
     asked = [c for c in trip.model_calls() if c["task_id"] in plans]

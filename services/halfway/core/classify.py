@@ -12,6 +12,8 @@ proof**. There are exactly three proofs:
 - an app tool raised `Refused("why")`: its author states the effect did not happen;
 - the request provably never left (connection refused, name not resolved, connect timeout), and
   this is the step's first attempt. On a later attempt it proves nothing about the earlier ones.
+  Not for an effect that must happen (an undo, a saga's step past its pivot: `must_happen`):
+  it did not happen yet, and it is retried with its key like an unknown one, not given up.
 
 Everything else (a timeout after sending, a reset, a 5xx, a 409, a 429, a redirect, a crash,
 any exception nobody foresaw) is `unknown`: it may have happened. `unknown` is never rounded
@@ -97,7 +99,7 @@ class Verdict:
         assert self.outcome is not Outcome.DONE, "done rests on evidence, never on a failure"
 
 
-def classify(failure: CallFailure, *, attempt: int = 1) -> Verdict:
+def classify(failure: CallFailure, *, attempt: int = 1, must_happen: bool = False) -> Verdict:
     """The outcome a failed attempt proves about its step. `attempt` counts from 1."""
     if attempt < 1:
         raise ValueError(f"attempt numbers start at 1, got {attempt}")
@@ -119,6 +121,9 @@ def classify(failure: CallFailure, *, attempt: int = 1) -> Verdict:
                            + (f" ({code})" if code else "") + again + "; it may have happened")
         case ToolRefused(reason=reason):
             return Verdict(Outcome.NOT_DONE, f"refused: {reason}")
+        case NotSent(why=why) if attempt == 1 and must_happen:
+            return Verdict(Outcome.UNKNOWN, f"never reached the provider ({why}); it must "
+                           "happen, so it is tried again with its key")
         case NotSent(why=why) if attempt == 1:
             return Verdict(Outcome.NOT_DONE, f"never reached the provider: {why}")
         case NotSent(why=why):

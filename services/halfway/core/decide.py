@@ -194,8 +194,8 @@ def decide(state: TaskState, *, known_tools: set[str], requested: bool, now: dat
             return Hold(f"step {step.step_id} is {step.status}")
 
     if state.aborted is not None:  # not a saga, or past its pivot: steps settle, then it ends
-        return Finish(FinalState.FAILED,
-                      f"aborted by {state.aborted.by}: {state.aborted.reason}")
+        return _end(state, FinalState.FAILED,
+                    f"aborted by {state.aborted.by}: {state.aborted.reason}")
     policy = state.started.policy
     n = state.next_step_n
     refused = state.refused(n)
@@ -236,8 +236,16 @@ def decide(state: TaskState, *, known_tools: set[str], requested: bool, now: dat
         # A saga before its pivot is called off (and undone); anything else ends.
         if policy.saga and not saga.past_pivot(state):
             return Abort(give_up)
-        return Finish(final, give_up)
+        return _end(state, final, give_up)
     return Ask(n)
+
+
+def _end(state: TaskState, final: FinalState, why: str) -> Finish:
+    """Finish as `final`, unless the task is a saga stranded past its pivot (`saga.stranded`)."""
+    stranded = saga.stranded(state, why) if final is not FinalState.SUCCEEDED else None
+    if stranded is not None:
+        return Finish(FinalState.NEEDS_ATTENTION, stranded)
+    return Finish(final, why)
 
 
 def model_retry_at(failures: int, last: ModelFailed) -> datetime:
@@ -318,12 +326,18 @@ def args_bytes(args: Any) -> int:
         return ARGS_BYTES_MAX + 1
 
 
-def final_state_for(state: TaskState) -> FinalState:
-    """What a task the model says is finished ends as."""
+def finish_for(state: TaskState, summary: str) -> Finish:
+    """How a task the model says is finished (`summary`: the model's words) ends: as its last
+    step went; a saga whose last step, past the pivot, was not done needs a person."""
     last = state.steps[max(state.steps)] if state.steps else None
-    if last is not None and last.outcome is Outcome.NOT_DONE:
-        return FinalState.FAILED
-    return FinalState.SUCCEEDED
+    if last is None or last.outcome is not Outcome.NOT_DONE:
+        return Finish(FinalState.SUCCEEDED, summary)
+    settlement = last.effect.settlement
+    stranded = saga.stranded(state, f"step {last.step_id} ({last.intent.tool}) was not done: "
+                                    f"{settlement.reason if settlement else None}")
+    if stranded is not None:
+        return Finish(FinalState.NEEDS_ATTENTION, f"{stranded} (the model said: {summary})")
+    return Finish(FinalState.FAILED, summary)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,11 @@ up and reconciled exactly like a step: the same `EffectState` in the fold, the s
 `next_action`. Only the events that record it differ (`compensation.*` instead of `step.*`).
 `Effect` is that difference in one place, so the executor and the reconciler have one code
 path for both.
+
+Some effects must happen once begun (`must_happen`): an undo, and a saga's step past its pivot
+(a `retriable` one). A saga cannot be left half undone, nor stop short past its point of no
+return, over a request that never reached the provider; such a request is retried with its key
+(`classify`), and only the provider's refusal ends it `not_done`.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from halfway.contract import (
     CompensationChecked,
     CompensationSettled,
     Outcome,
+    SagaRole,
     StepAttempted,
     StepChecked,
     StepSettled,
@@ -41,6 +47,7 @@ class Effect:
     # being undone), and why; settled `not_done` instead of called.
     called_off: str | None = None
     intent_id: str | None = None  # a step's: the decision its attempts carry out
+    must_happen: bool = False  # an undo, or a saga's retriable step (module docstring)
 
     @property
     def move_id(self) -> str:
@@ -69,15 +76,17 @@ def effects_to_work(state: TaskState, now: datetime) -> list[Effect]:
     """Every effect of the task that the harness may move now: each step, and each undo whose
     turn has come (undos run last step first)."""
     out: list[Effect] = []
+    is_saga = state.started is not None and state.started.policy.saga
     for step in sorted(state.steps.values(), key=lambda s: s.n):
         intent = step.intent
         out.append(Effect(False, intent.task_id, step.step_id, intent.tool, intent.args,
                           intent.key, step.effect, saga.called_off(state, step),
-                          intent.event_id))
+                          intent.event_id,
+                          must_happen=is_saga and intent.saga_role is SagaRole.RETRIABLE))
         plan = step.compensation
         if plan is not None and saga.undo_may_run(state, step):
             out.append(Effect(True, intent.task_id, step.step_id, plan.tool, plan.args,
-                              plan.key, step.undo))
+                              plan.key, step.undo, must_happen=True))
     return out
 
 

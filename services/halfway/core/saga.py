@@ -20,7 +20,10 @@ From then on no step is decided; `undo_plan` names the done steps whose undo mus
 journaled, and the executor runs the undos in reverse order (`undo_may_run`): the undo of
 step k only once every later step is proven not done or undone. A step still unknown is
 undone only once it is proven done; one proven not done needs no undo. Once the pivot is done
-the saga only goes forward.
+the saga only goes forward; one that cannot (a step after the pivot ends `not_done` and the
+model finishes, it gives up, or it is called off) ends `needs_attention` (`stranded`), never
+`failed`: what is done stands and cannot be undone (the customer was charged), and "failed"
+would read as "nothing happened, safe to try again".
 """
 
 from __future__ import annotations
@@ -69,6 +72,17 @@ HARNESS = "halfway"  # who calls off a saga that failed
 def past_pivot(state: TaskState) -> bool:
     pivot = pivot_of(state)
     return pivot is not None and pivot.outcome is Outcome.DONE
+
+
+def stranded(state: TaskState, why: str) -> str | None:
+    """Why a saga that ends now, past its pivot, without going all the way forward needs a
+    person (`why`: what stopped it); None if the task is not a saga past its pivot."""
+    if state.started is None or not state.started.policy.saga or not past_pivot(state):
+        return None
+    pivot = pivot_of(state)
+    assert pivot is not None
+    return (f"{why}; this saga is past its pivot ({pivot.step_id} {pivot.intent.tool} is done "
+            f"and cannot be undone), so what is done stands: an operator must finish it")
 
 
 def undoing(state: TaskState) -> str | None:

@@ -84,7 +84,7 @@ from halfway.core.decide import (
     accept_call,
     args_bytes,
     decide,
-    final_state_for,
+    finish_for,
 )
 from halfway.core.fold import TaskState, apply
 from halfway.core.guard import Blocked, Release, Withdraw, guard_moves
@@ -429,8 +429,9 @@ class Decider:
             state = self._state(task_id)
         decided_by = self._decided_by(proposal.usage)
         if isinstance(proposal, ProposeFinish):
-            await self._write(TaskFinished(**stamp(task_id), state=final_state_for(state),
-                                           summary=proposal.summary[:ERROR_CHARS_MAX] or "done",
+            end = finish_for(state, proposal.summary[:ERROR_CHARS_MAX] or "done")
+            await self._write(TaskFinished(**stamp(task_id), state=end.state,
+                                           summary=end.summary[:ERROR_CHARS_MAX],
                                            decided_by=decided_by), carry)
             return
         if proposal.malformed:

@@ -262,6 +262,7 @@ class Executor(StepWorker):
                     self._log.warning(f"not sent: {why}", attempt=n)
                     if not ours_alone:
                         return None  # someone else's attempt, or the log's word, stands
+                    # Called off by the log, not by the network: never tried again.
                     verdict = classify(NotSent(f"not sent: {why}"), attempt=n)
                     return effect.settled(stamp(task_id), outcome=verdict.outcome, attempt=n,
                                           source=SettlementSource.CALL, reason=verdict.reason)
@@ -297,7 +298,7 @@ class Executor(StepWorker):
                         evidence={**result.evidence, "replayed": result.replayed})
                 if spec.effect_class is EffectClass.READ:
                     return None  # reads are never unknown: next_action reads again, in bounds
-                verdict = classify(result, attempt=n)
+                verdict = classify(result, attempt=n, must_happen=effect.must_happen)
                 return effect.settled(
                     stamp(task_id), outcome=verdict.outcome, attempt=n,
                     source=SettlementSource.CALL, reason=verdict.reason,
