@@ -11,11 +11,15 @@ gateway, and paysim sending signed webhooks to the gateway. The services reach p
 relay whose port can be shut (`chaos_gate`), so refused connections happen too.
 
 The tasks are renewals (one `charge_customer` step, each on its own invoice), a share of them in
-pairs that both want to charge one invoice, published at a steady rate over the window. What
+pairs that both want to charge one invoice, published at a steady rate over the window. With
+`--trips SHARE`, that share of the single tasks are trips instead: sagas of four steps (hold a
+flight, book a hotel, charge the card, email the itinerary) on tripsim and paysim, a third of
+them at a hotel with no room, so that the saga is called off and the flight hold released. What
 goes wrong meanwhile:
 - at paysim: charges slower than the client's timeout, replies lost after the charge was made,
   5xx before and after the commit, 429s, declines; webhooks delivered twice and late;
-- the relay: short windows of refused connections (open connections reset);
+- the relays: short windows of refused connections (open connections reset), at paysim and
+  tripsim together; tripsim meets paysim's fault mix, undos included;
 - the services: kill -9 of instances (restarted after a moment, as a supervisor would) and
   SIGSTOP/SIGCONT, some pauses past the consumer session timeout so that the group moves the
   partitions and the instance wakes up a zombie. The victims' kinds take turns, the instance is
@@ -95,6 +99,7 @@ from halfway.contract.topics import (  # noqa: E402
     TopicSpec,
 )
 from halfway.core.fold import TaskState, apply  # noqa: E402
+from halfway.demo.trip import FULL_HOTEL, trip_request  # noqa: E402
 from halfway.journal import JournalWriter, ensure_topics  # noqa: E402
 from halfway.journal.limits import fetch_limits  # noqa: E402
 from halfway.journal.records import InvalidRecord, decode, decode_guard  # noqa: E402
@@ -152,6 +157,7 @@ FAULTS: tuple[tuple[str, float, dict[str, Any]], ...] = (
     ("decline", 0.02, {"decline": True}),
 )
 WEBHOOK_DUPLICATE_P = 0.3
+TRIP_FULL_ONE_IN = 3  # of the trips, every third is at a hotel with no room: the saga unwinds
 WEBHOOK_DELAY_S_MAX = 2.0
 
 
@@ -170,12 +176,13 @@ class ChaosConfig:
     shuts: int = 2
     broker_kill: bool = True
     charge_timeout_s: float = 1.0
-    key_ttl_s: float = 60.0  # paysim keeps keys this long, and the services are told so
+    key_ttl_s: float = 60.0  # paysim and tripsim keep keys this long; the services are told
     # paysim finishes every request within its slowest fault here (3 s): with a margin, what
     # the services may rely on (compressed, like the key lifetime; a real paysim's is 660 s).
     completes_within_s: float = 10.0
     fault_scale: float = 1.0
     workers: bool = False  # worker processes in place of deciders and executors
+    trips: float = 0.0  # share of the single tasks that are trips (sagas) instead of renewals
     # Who kill -9, a short SIGSTOP and a long one may hit; None: every kind of the run.
     kill_kinds: tuple[str, ...] | None = None
     pause_kinds: tuple[str, ...] | None = None
@@ -565,24 +572,33 @@ def last_error(log_path: Path) -> str | None:
 def build_requests(config: ChaosConfig, rng: random.Random, tag: str,
                    ) -> tuple[list[TaskRequested], list[Requested]]:
     """N renewals; a share of them in pairs that want to charge one invoice, published one
-    right after the other so that they contend."""
+    right after the other so that they contend; `config.trips` of the singles are trips (each
+    charges its own invoice, `INV-<task id>`)."""
     pairs = int(config.tasks * config.pair_share) // 2
     singles = config.tasks - 2 * pairs
-    units: list[list[str]] = [["single"] for _ in range(singles)] + \
-        [["pair", "pair"] for _ in range(pairs)]
+    trips = round(singles * config.trips)
+    units: list[list[str]] = [["trip"] for _ in range(trips)] + \
+        [["single"] for _ in range(singles - trips)] + [["pair", "pair"] for _ in range(pairs)]
     rng.shuffle(units)
     requests: list[TaskRequested] = []
     expected: list[Requested] = []
-    n = 0
+    n = trip = 0
     for k, unit in enumerate(units):
         invoice = f"INV-{tag}-p{k:05d}" if len(unit) == 2 else None
-        for _ in unit:
+        for kind in unit:
             n += 1
             task_id = f"chaos-{tag}-{n:05d}"
             inv = invoice or f"INV-{task_id}"
-            requests.append(renewal_request(task_id, invoice=inv, customer=f"cus_{n:05d}",
-                                            reask=False))
-            expected.append(Requested(task_id, inv))
+            if kind == "trip":
+                trip += 1
+                hotel = FULL_HOTEL if trip % TRIP_FULL_ONE_IN == 0 else "HTL-ROMA-7"
+                requests.append(trip_request(task_id, hotel=hotel, customer=f"cus_{n:05d}",
+                                             passenger=f"Traveller {n:05d}",
+                                             email=f"traveller-{n:05d}@example.com"))
+            else:
+                requests.append(renewal_request(task_id, invoice=inv, customer=f"cus_{n:05d}",
+                                                reask=False))
+            expected.append(Requested(task_id, inv, trip=kind == "trip"))
     return requests, expected
 
 
@@ -672,9 +688,10 @@ def fault_rules(config: ChaosConfig) -> list[dict[str, Any]]:
 
 
 class Chaos:
-    """Performs the plan against the fleet, the broker and the gate."""
+    """Performs the plan against the fleet, the broker and the gates."""
 
-    def __init__(self, fleet: Fleet, broker: DedicatedBroker, gate: TcpGate, rng: random.Random,
+    def __init__(self, fleet: Fleet, broker: DedicatedBroker, gates: list[TcpGate],
+                 rng: random.Random,
                  log: ChaosLog, config: ChaosConfig) -> None:
         self.fleet = fleet
         # Victims' kinds take turns (in a seeded order), so that a few kills reach every kind;
@@ -684,7 +701,7 @@ class Chaos:
         self.pause_turns = _turns(config.pause_kinds or every, rng)
         self.long_pause_turns = _turns(config.long_pause_kinds or every, rng)
         self.broker = broker
-        self.gate = gate
+        self.gates = gates
         self.rng = rng
         self.log = log
         self.broker_down_s: list[float] = []
@@ -712,7 +729,7 @@ class Chaos:
                     await self.fleet.pause(slot, action.duration_s, long=True)
             case "shut":
                 self.log.note("port shut", for_s=round(action.duration_s, 2))
-                await self.gate.shut_for(action.duration_s)
+                await asyncio.gather(*(g.shut_for(action.duration_s) for g in self.gates))
                 self.log.note("port open")
             case "broker":
                 await self._broker(action.duration_s)
@@ -766,22 +783,28 @@ async def _sim(client: httpx.AsyncClient, method: str, path: str, body: Any = No
 async def _start_paysim(env: dict[str, str], run_dir: Path, key_ttl_s: float,
                         webhook_url: str) -> tuple[Proc, str]:
     """paysim, sending webhooks to the gateway; (its process, its URL)."""
-    log_path = run_dir / "paysim.log"
+    return await _start_sim("paysim", "halfway.simulators.payments", env, run_dir,
+                            "--key-ttl-s", str(key_ttl_s), "--webhook-url", webhook_url,
+                            "--webhook-secret", WEBHOOK_SECRET)
+
+
+async def _start_sim(name: str, module: str, env: dict[str, str], run_dir: Path,
+                     *args: str) -> tuple[Proc, str]:
+    """A simulator in its own process; (its process, its URL)."""
+    log_path = run_dir / f"{name}.log"
     with log_path.open("ab") as log:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "halfway.simulators.payments", "--port", "0",
-            "--key-ttl-s", str(key_ttl_s), "--webhook-url", webhook_url,
-            "--webhook-secret", WEBHOOK_SECRET, env=env, stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=log)
-    proc = Proc("paysim", process, log_path)
+            sys.executable, "-m", module, "--port", "0", *args, env=env,
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=log)
+    proc = Proc(name, process, log_path)
     assert process.stdout is not None
     try:
         async with asyncio.timeout(START_TIMEOUT_S):
             line = (await process.stdout.readline()).decode().strip()
     except TimeoutError:
-        raise HarnessError("paysim did not start\n" + proc.tail()) from None
+        raise HarnessError(f"{name} did not start\n" + proc.tail()) from None
     if not line.startswith("listening on http://"):
-        raise HarnessError(f"paysim said {line!r}\n{proc.tail()}")
+        raise HarnessError(f"{name} said {line!r}\n{proc.tail()}")
     return proc, line.removeprefix("listening on ")
 
 
@@ -861,7 +884,9 @@ async def _run(config: ChaosConfig, run_dir: Path) -> Report:
         env.pop("HALFWAY_KAFKA_BOOTSTRAP", None)
         env |= {"HALFWAY_TOPIC_PREFIX": TOPIC_PREFIX,
                 "HALFWAY_CHARGE_TIMEOUT_S": str(config.charge_timeout_s),
+                "HALFWAY_TRAVEL_TIMEOUT_S": str(config.charge_timeout_s),
                 "HALFWAY_CHARGE_KEY_TTL_S": str(config.key_ttl_s),
+                "HALFWAY_TRAVEL_KEY_TTL_S": str(config.key_ttl_s),
                 "HALFWAY_CHARGE_COMPLETES_WITHIN_S": str(config.completes_within_s),
                 "HALFWAY_GATEWAY_PORT": str(gateway_port),
                 "HALFWAY_PAYSIM_WEBHOOK_SECRET": WEBHOOK_SECRET,
@@ -871,10 +896,19 @@ async def _run(config: ChaosConfig, run_dir: Path) -> Report:
         cleanup.append(lambda: stop(paysim, STOP_TIMEOUT_S))
         sim = httpx.AsyncClient(base_url=paysim_url, timeout=HTTP_TIMEOUT_S)
         cleanup.append(sim.aclose)
-        host, port = paysim_url.removeprefix("http://").split(":")
-        gate = TcpGate(host, int(port))
-        env["HALFWAY_PAYSIM_URL"] = await gate.start()
-        cleanup.append(gate.stop)
+        tripsim, tripsim_url = await _start_sim("tripsim", "halfway.simulators.travel", env,
+                                                run_dir, "--key-ttl-s", str(config.key_ttl_s))
+        cleanup.append(lambda: stop(tripsim, STOP_TIMEOUT_S))
+        trip_sim = httpx.AsyncClient(base_url=tripsim_url, timeout=HTTP_TIMEOUT_S)
+        cleanup.append(trip_sim.aclose)
+        gates: list[TcpGate] = []
+        for name, url in (("HALFWAY_PAYSIM_URL", paysim_url), ("HALFWAY_TRIPSIM_URL",
+                                                                tripsim_url)):
+            host, port = url.removeprefix("http://").split(":")
+            gate = TcpGate(host, int(port))
+            env[name] = await gate.start()
+            cleanup.append(gate.stop)
+            gates.append(gate)
 
         journal = JournalView(settings)
         await journal.live.start()
@@ -900,11 +934,12 @@ async def _run(config: ChaosConfig, run_dir: Path) -> Report:
         requests, expected = build_requests(config, rng, tag)
         actions = plan(config, rng)
         await _sim(sim, "POST", "/_sim/faults", {"rules": fault_rules(config)})
+        await _sim(trip_sim, "POST", "/_sim/faults", {"rules": fault_rules(config)})
         await _sim(sim, "POST", "/_sim/webhooks", {"duplicate_p": WEBHOOK_DUPLICATE_P,
                                                    "delay_s_max": WEBHOOK_DELAY_S_MAX,
                                                    "seed": config.seed})
         publisher = Publisher(writer, requests, config.window(), chaos_log)
-        chaos = Chaos(fleet, broker, gate, rng, chaos_log, config)
+        chaos = Chaos(fleet, broker, gates, rng, chaos_log, config)
         window_started = time.monotonic()
         chaos_log.note("window opens", tasks=len(requests), window_s=config.window(),
                        actions=[asdict(a) for a in actions])
@@ -923,6 +958,7 @@ async def _run(config: ChaosConfig, run_dir: Path) -> Report:
         # Armed until now, not only in the window: work the broker's outage pushed past the
         # window meets the faults too. A retry still converges: lookups are never faulted.
         await _sim(sim, "DELETE", "/_sim/faults")
+        await _sim(trip_sim, "DELETE", "/_sim/faults")
         chaos_log.note("drained" if drained else "drain timed out", took_s=round(drain_s, 2))
 
         # The journal's writers stop, so the journal's end is final; the outcomes publishers
@@ -940,7 +976,8 @@ async def _run(config: ChaosConfig, run_dir: Path) -> Report:
         ledger = (await _sim(sim, "GET", "/_sim/ledger"))["charges"]
         sim_requests = (await _sim(sim, "GET", "/_sim/requests"))["requests"]
         webhooks = await _sim(sim, "GET", "/_sim/webhooks")
-        verdict = judge(requested, ledger, folded.states, outcomes)
+        travel = await _sim(trip_sim, "GET", "/_sim/ledger")
+        verdict = judge(requested, ledger, folded.states, outcomes, travel)
         report.verdict = verdict
         report.figures = {
             "published": len(publisher.acked), "publish_failed": len(publisher.failed),
@@ -952,9 +989,14 @@ async def _run(config: ChaosConfig, run_dir: Path) -> Report:
             "outcomes_invalid": outcomes_view.invalid,
             "faults": fault_counts(sim_requests, {name: action for name, _, action in FAULTS}),
             "webhooks": webhook_counts(webhooks),
-            "refused_windows": {"count": gate.windows, "shut_s": round(gate.shut_s, 2),
-                                "connections_reset": gate.reset,
-                                "connections_relayed": gate.connections},
+            "refused_windows": {"count": gates[0].windows,
+                                "shut_s": round(gates[0].shut_s, 2),
+                                "connections_reset": sum(g.reset for g in gates),
+                                "connections_relayed": sum(g.connections for g in gates)},
+            "trips": {"requested": sum(r.trip for r in requested),
+                      "travel_effects": {store: len(travel.get(store, []))
+                                         for store in ("holds", "bookings", "emails")},
+                      "travel_refused": len(travel.get("refused", []))},
             "kills": dict(Counter(e["slot"].rsplit("-", 1)[0] for e in chaos_log.entries
                                   if e["what"] == "kill -9")),
             "pauses": {"short": chaos_log.count("SIGSTOP", long=False),
@@ -1022,12 +1064,16 @@ def parse_args(argv: list[str] | None) -> tuple[ChaosConfig, bool]:
     p.add_argument("--charge-timeout-s", type=float, default=d.charge_timeout_s,
                    help="the services' charge timeout (slow faults take 1.5 to 3 s)")
     p.add_argument("--key-ttl-s", type=float, default=d.key_ttl_s,
-                   help="how long paysim keeps keys, and the services are told so")
+                   help="how long paysim and tripsim keep keys, and the services are told so")
     p.add_argument("--fault-scale", type=float, default=d.fault_scale,
                    help="multiplies every fault probability (0: no faults at paysim)")
     p.add_argument("--workers", action="store_true",
                    help="run workers (`halfway run worker`: a decider and an executor in one "
                         "process) in place of deciders and executors")
+    p.add_argument("--trips", type=float, default=d.trips,
+                   help="share of the single tasks that are trips (sagas of four steps on "
+                        f"tripsim and paysim; one in {TRIP_FULL_ONE_IN} unwinds) instead of "
+                        "renewals")
     p.add_argument("--kill-kinds", default=None,
                    help="whom kill -9 may hit, comma-separated; None: every kind of the run")
     p.add_argument("--pause-kinds", default=None, help="whom a short SIGSTOP may hit")
@@ -1037,6 +1083,8 @@ def parse_args(argv: list[str] | None) -> tuple[ChaosConfig, bool]:
                    help="where logs go (default: .halfway/chaos/run-<time>)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     a = p.parse_args(argv)
+    if not 0.0 <= a.trips <= 1.0:
+        p.error("--trips is a share: from 0 to 1")
     if a.instances < 2:
         p.error("--instances must be at least 2: the point is instances sharing the work")
     config = ChaosConfig(tasks=a.tasks, seed=a.seed, window_s=a.window_s, drain_s=a.drain_s,
@@ -1044,7 +1092,8 @@ def parse_args(argv: list[str] | None) -> tuple[ChaosConfig, bool]:
                          pauses=a.pauses, long_pauses=a.long_pauses, shuts=a.shuts,
                          broker_kill=not a.no_broker_kill,
                          charge_timeout_s=a.charge_timeout_s, key_ttl_s=a.key_ttl_s,
-                         fault_scale=a.fault_scale, run_dir=a.run_dir, workers=a.workers)
+                         fault_scale=a.fault_scale, run_dir=a.run_dir, workers=a.workers,
+                         trips=a.trips)
     every = config.all_kinds()
     config.kill_kinds = _kinds(p, a.kill_kinds, every)
     config.pause_kinds = _kinds(p, a.pause_kinds, every)

@@ -2,6 +2,7 @@
 
 The views:
 - the ledger (paysim's `GET /_sim/ledger`): every charge the provider made, the ground truth;
+  for trips, tripsim's too: every flight hold, hotel booking and email, with what undid it;
 - the journal, folded (`halfway.journal.replay.replay`): every task's `TaskState`;
 - the outcomes topic: the last message (highest `seq`) per task and subject.
 
@@ -18,6 +19,13 @@ What is judged, per category (every finding names a task, or a charge, and says 
 - stuck: a task neither finished nor needing attention.
 - needs attention: an unknown step the harness will not check again, grouped by reason, and a
   task waiting on a subject whose holder needs attention. Counted, never "wrong".
+
+Trips (sagas) are judged the same way against tripsim's ledger, step by step and undo by undo:
+- duplicate: more than one hold, booking or email under one step's key;
+- lost: an effect under a key no step carries; a step `done` with no effect under its key;
+- wrong: a step `not_done` with an effect under its key; an undo `done` whose effect still
+  stands, or one `not_done` whose effect its key undid; a trip `succeeded` with an effect undone,
+  or one `failed`/`compensated` with a hold or booking still standing or an email sent.
 
 Steps still unknown are never judged against the ledger: unknown is not wrong.
 """
@@ -37,6 +45,13 @@ from halfway.core.fold import EffectState, TaskState
 from halfway.outcomes.derive import visible
 
 CHARGE_TOOL = "charge_customer"
+# A travel tool's effects in tripsim's ledger, the status an undo gives them, and the field that
+# lists the keys of the undos that were answered for it (None: no undo).
+TRAVEL_STORES: dict[str, tuple[str, str | None, str | None]] = {
+    "hold_flight": ("holds", "released", "release_keys"),
+    "book_hotel": ("bookings", "cancelled", "cancel_keys"),
+    "send_email": ("emails", None, None),
+}
 KEY_METADATA = "halfway_key"  # where charge_customer puts our key on a charge
 INVOICE_METADATA = "invoice"
 REASON_CHARS_MAX = 160  # a needs-attention reason, once its ids are replaced, for grouping
@@ -54,6 +69,7 @@ class Requested:
 
     task_id: str
     invoice: str
+    trip: bool = False  # a saga on tripsim and paysim, not a renewal
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,9 +172,10 @@ def reason_group(text: str) -> str:
 
 def judge(requested: Iterable[Requested], charges: list[dict[str, Any]],
           states: Mapping[str, TaskState],
-          outcomes: Mapping[tuple[str, str], OutcomeChanged] | None) -> Verdict:
+          outcomes: Mapping[tuple[str, str], OutcomeChanged] | None,
+          travel: Mapping[str, list[dict[str, Any]]] | None = None) -> Verdict:
     """Compare the ledger, the journal fold and (unless None) the outcomes topic's last
-    messages, for the tasks the run requested."""
+    messages, for the tasks the run requested; `travel`: tripsim's ledger, for trips."""
     wanted = {r.task_id: r for r in requested}
     verdict = Verdict(tasks=len(wanted))
     succeeded_by_key: dict[str, list[dict[str, Any]]] = {}
@@ -177,6 +194,8 @@ def judge(requested: Iterable[Requested], charges: list[dict[str, Any]],
         shown.setdefault(task_id, {})[about] = message
 
     _judge_ledger(verdict, charges, states)
+    if travel is not None:
+        _judge_travel(verdict, [r.task_id for r in wanted.values() if r.trip], travel, states)
     for task_id in sorted(wanted):
         state = states.get(task_id)
         _judge_task(verdict, task_id, state, states, succeeded_by_key, failed_by_key)
@@ -217,6 +236,69 @@ def _judge_ledger(verdict: Verdict, charges: list[dict[str, Any]],
             f"{[(c.get('id'), charge_key(c)) for c in made]}"
             + (f"; key(s) charged more than once: {twice}" if twice else ""),
             tuple(tasks[1:])))
+
+
+def _judge_travel(verdict: Verdict, trips: list[str],
+                  travel: Mapping[str, list[dict[str, Any]]],
+                  states: Mapping[str, TaskState]) -> None:
+    """Each trip's travel steps and undos against tripsim's effects (module docstring)."""
+    by_key: dict[str, list[dict[str, Any]]] = {}
+    known_keys = {step.intent.key for state in states.values() for step in state.steps.values()}
+    for store, _, _ in TRAVEL_STORES.values():
+        for effect in travel.get(store, []):
+            key = effect.get("idempotency_key")
+            by_key.setdefault(str(key), []).append(effect)
+            if key not in known_keys:
+                verdict.lost.append(Finding(_task_of(key), f"tripsim {store[:-1]} "
+                                            f"{effect.get('id')} ({effect.get('status')}, key "
+                                            f"{key}) is not the effect of any step"))
+    for task_id in trips:
+        state = states.get(task_id)
+        if state is not None:
+            _judge_trip(verdict, task_id, state, by_key)
+
+
+def _judge_trip(verdict: Verdict, task_id: str, state: TaskState,
+                by_key: Mapping[str, list[dict[str, Any]]]) -> None:
+    standing: list[str] = []  # effects that stand at the end: "hold h_1 (step t:1)"
+    undone: list[str] = []
+    for step in state.steps.values():
+        if step.intent.tool not in TRAVEL_STORES:
+            continue
+        store, undone_status, undo_keys = TRAVEL_STORES[step.intent.tool]
+        made = by_key.get(step.intent.key, [])
+        named = [f"{store[:-1]} {e.get('id')}" for e in made]
+        if len(made) > 1:
+            verdict.duplicates.append(Finding(task_id, f"{step.step_id}: {len(made)} effects "
+                                                       f"under one key: {named}"))
+        if step.outcome is Outcome.DONE and not made:
+            verdict.lost.append(Finding(task_id, f"{step.step_id} is done in the journal, but "
+                                                  f"tripsim has no {store[:-1]} under its key"))
+        elif step.outcome is Outcome.NOT_DONE and made:
+            verdict.wrong.append(Finding(task_id, f"{step.step_id} is not_done in the journal, "
+                                                   f"but tripsim has {named} under its key"))
+        undo_key = step.compensation.key if step.compensation is not None else None
+        for effect, name in zip(made, named, strict=True):
+            if effect.get("status") == undone_status:
+                undone.append(f"{name} ({step.step_id})")
+            else:
+                standing.append(f"{name} ({step.step_id})")
+            undid = undo_key is not None and undo_keys is not None and \
+                undo_key in effect.get(undo_keys, [])
+            if step.undo.outcome is Outcome.DONE and effect.get("status") != undone_status:
+                verdict.wrong.append(Finding(task_id, f"{step.step_id}: its undo is done in the "
+                                                      f"journal, but {name} still stands"))
+            elif step.undo.outcome is Outcome.NOT_DONE and undid:
+                verdict.wrong.append(Finding(task_id, f"{step.step_id}: its undo is not_done in "
+                                                      f"the journal, but its key undid {name}"))
+    final = state.final_state
+    if final is FinalState.SUCCEEDED and undone:
+        verdict.wrong.append(Finding(task_id, f"finished succeeded, but tripsim undid {undone}"))
+    elif final in (FinalState.FAILED, FinalState.COMPENSATED) and standing:
+        verdict.wrong.append(Finding(task_id, f"finished {final}, but {standing} still "
+                                              "stand(s) at tripsim"))
+    elif state.rejected is not None and (standing or undone):
+        verdict.wrong.append(Finding(task_id, "rejected, but tripsim has effects of it"))
 
 
 def _task_of(key: str | None) -> str | None:
@@ -261,6 +343,10 @@ def _judge_task(verdict: Verdict, task_id: str, state: TaskState | None,
         _judge_unfinished(verdict, task_id, state, states)
         return
     verdict.final_states[str(final)] += 1
+    if final is FinalState.NEEDS_ATTENTION:  # ended waiting for a person: counted, not judged
+        summary = state.finished.summary if state.finished is not None else ""
+        verdict.needs_attention.setdefault(reason_group(f"finished needs_attention: {summary}"),
+                                           []).append(task_id)
     if final is FinalState.SUCCEEDED and not charged:
         verdict.wrong.append(Finding(task_id, "finished succeeded, but the ledger has no "
                                               "succeeded charge under its keys"))

@@ -236,6 +236,7 @@ def render(report: Report) -> str:
         f"unknown->settled p50 {s(lat['p50'])}  p99 {s(lat['p99'])}  max {s(lat['max'])}  "
         f"({lat['count']} steps; {v.unknown_never_settled} unknown never settled)",
         f"ledger           {v.charges_succeeded} succeeded, {v.charges_failed} failed charges",
+        *([f"trips            {j['trips']}"] if j.get("trips", {}).get("requested") else []),
         f"contradictions   {len(v.contradictions)}   fold anomalies {len(v.anomalies)}",
         f"faults applied   {j['faults']['applied']}",
         f"  ({j['faults']['charge_requests']} charge requests, {j['faults']['replayed']} "

@@ -182,6 +182,89 @@ def test_a_task_the_journal_never_saw_is_lost_not_stuck() -> None:
     assert verdict.stuck == []
 
 
+def trip_journal(task_id: str, *, hotel_full: bool = False) -> list[Any]:
+    """A trip's journal: hold, book, charge, email; or hold, a full hotel, the hold released."""
+    s = Stamper(task_id)
+    hold = s.intended(1, tool="hold_flight", args={"flight": "LH-454"}, subject=None)
+    events: list[Any] = [s.started(), hold, s.attempted(1, 1),
+                         s.settled(1, Outcome.DONE, attempt=1, evidence={"hold_id": "h_1"}),
+                         s.intended(2, tool="book_hotel", args={"hotel": "H"}, subject=None),
+                         s.attempted(2, 1)]
+    if hotel_full:
+        return [*events, s.settled(2, Outcome.NOT_DONE, attempt=1),
+                s.undo_intended(1, tool="release_flight", args={"hold_id": "h_1"}),
+                s.undo_attempted(1, 1), s.undo_settled(1, Outcome.DONE, attempt=1),
+                s.finished(FinalState.COMPENSATED)]
+    return [*events, s.settled(2, Outcome.DONE, attempt=1, evidence={"booking_id": "b_1"}),
+            s.intended(3, args={"invoice": f"INV-{task_id}"}, subject=f"invoice:INV-{task_id}"),
+            s.attempted(3, 1), s.settled(3, Outcome.DONE, attempt=1,
+                                         evidence={"charge_id": f"ch_{task_id}"}),
+            s.intended(4, tool="send_email", args={"to": "a@example.com"}, subject=None),
+            s.attempted(4, 1), s.settled(4, Outcome.DONE, attempt=1, evidence={"email": "e_1"}),
+            s.finished(FinalState.SUCCEEDED)]
+
+
+def tripsim_ledger(task_id: str, *, hotel_full: bool = False) -> dict[str, list[Any]]:
+    if hotel_full:
+        return {"holds": [{"id": "h_1", "status": "released", "idempotency_key": f"{task_id}:1",
+                           "release_keys": [f"{task_id}:1:undo"]}], "bookings": [], "emails": []}
+    return {"holds": [{"id": "h_1", "status": "held", "idempotency_key": f"{task_id}:1",
+                       "release_keys": []}],
+            "bookings": [{"id": "b_1", "status": "confirmed", "idempotency_key": f"{task_id}:2",
+                          "cancel_keys": []}],
+            "emails": [{"id": "e_1", "status": "sent", "idempotency_key": f"{task_id}:4"}]}
+
+
+def judged_trips(journals: dict[str, list[Any]], travel: dict[str, list[Any]],
+                 charges: list[dict[str, Any]]) -> Verdict:
+    states = {t: fold(events, t) for t, events in journals.items()}
+    return judge([Requested(t, f"INV-{t}", trip=True) for t in journals], charges, states, None,
+                 travel)
+
+
+def test_trips_that_went_right_have_no_findings() -> None:
+    travel = {store: [*tripsim_ledger("t-ok")[store], *tripsim_ledger("t-full", hotel_full=True)[
+        store]] for store in ("holds", "bookings", "emails")}
+    verdict = judged_trips({"t-ok": trip_journal("t-ok"),
+                            "t-full": trip_journal("t-full", hotel_full=True)}, travel,
+                           [charge("t-ok:3", "INV-t-ok", "ch_t-ok")])
+    assert verdict.counts() == {"tasks": 2, "duplicates": 0, "lost": 0, "wrong": 0, "stuck": 0,
+                                "needs_attention": 0}, verdict.to_json()
+    assert verdict.final_states == {"succeeded": 1, "compensated": 1}
+
+
+def test_a_trip_compensated_with_its_hold_still_held_is_wrong() -> None:
+    travel = tripsim_ledger("t-full", hotel_full=True)
+    travel["holds"][0] |= {"status": "held", "release_keys": []}
+    verdict = judged_trips({"t-full": trip_journal("t-full", hotel_full=True)}, travel, [])
+    assert [f.what for f in verdict.wrong] == [
+        "t-full:1: its undo is done in the journal, but hold h_1 still stands",
+        "finished compensated, but ['hold h_1 (t-full:1)'] still stand(s) at tripsim"]
+
+
+def test_trip_effects_twice_under_a_key_unknown_to_the_journal_or_missing_are_found() -> None:
+    travel = tripsim_ledger("t-ok")
+    travel["emails"].append({"id": "e_2", "status": "sent", "idempotency_key": "t-ok:4"})
+    travel["bookings"] = []
+    travel["holds"].append({"id": "h_9", "status": "held", "idempotency_key": "ghost:1"})
+    verdict = judged_trips({"t-ok": trip_journal("t-ok")}, travel,
+                           [charge("t-ok:3", "INV-t-ok", "ch_t-ok")])
+    assert [f.what for f in verdict.duplicates] == [
+        "t-ok:4: 2 effects under one key: ['email e_1', 'email e_2']"]
+    assert sorted(f.what for f in verdict.lost) == [
+        "t-ok:2 is done in the journal, but tripsim has no booking under its key",
+        "tripsim hold h_9 (held, key ghost:1) is not the effect of any step"]
+
+
+def test_an_undo_not_done_whose_key_released_the_hold_is_wrong() -> None:
+    s = Stamper("t-x")
+    journal = [*trip_journal("t-x", hotel_full=True)[:-3], s.undo_attempted(1, 1),
+               s.undo_settled(1, Outcome.NOT_DONE, attempt=1)]
+    verdict = judged_trips({"t-x": journal}, tripsim_ledger("t-x", hotel_full=True), [])
+    assert [f.what for f in verdict.wrong] == [
+        "t-x:1: its undo is not_done in the journal, but its key undid hold h_1"]
+
+
 # --- a small run against real processes ----------------------------------------------------------
 
 TASKS = 200

@@ -350,6 +350,11 @@ def charge_key_ttl_s() -> float:
     return number_from_env("HALFWAY_CHARGE_KEY_TTL_S", 86_400.0, above_low=True)
 
 
+def travel_key_ttl_s() -> float:
+    """How long the travel providers remember an idempotency key (tripsim's default: 24 h)."""
+    return number_from_env("HALFWAY_TRAVEL_KEY_TTL_S", 86_400.0, above_low=True)
+
+
 # A task finished this long ago (by the journal's own clock) with every effect settled is
 # sealed: the services keep only its end. Stripe retries webhooks for 3 days; a day covers
 # late reports of all but the slowest.

@@ -66,7 +66,8 @@ def builtin_tools() -> list[Tool]:
     spec = charge_customer_spec(timeout_s=settings.charge_timeout_s(),
                                 key_ttl_s=settings.charge_key_ttl_s(),
                                 completes_within_s=settings.charge_completes_within_s())
-    travel = travel_tools(settings.tripsim_url(), timeout_s=settings.travel_timeout_s())
+    travel = travel_tools(settings.tripsim_url(), timeout_s=settings.travel_timeout_s(),
+                          key_ttl_s=settings.travel_key_ttl_s())
     return [Tool(spec, PaymentsAdapter(settings.paysim_url())), *(Tool(s, a) for s, a in travel)]
 
 
