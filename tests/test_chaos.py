@@ -5,7 +5,8 @@ judged exactly (an oracle that misses a duplicate is worse than none). The run i
 for CI on two cores: 200 tasks through two of each service, with kill -9s, a pause past the
 consumer session timeout, refused connections, a fault mix at the provider, duplicate and late
 webhooks, and one kill -9 of a broker of the run's own; once with deciders and executors, once
-with workers (both in one process). It fails, never skips, when something it needs is missing.
+with workers (both in one process) and a share of trips (sagas). It fails, never skips, when
+something it needs is missing.
 """
 
 from __future__ import annotations
@@ -274,13 +275,14 @@ KEY_TTL_S = 60.0  # well past any pause or the broker's outage: no key expires i
 PAUSES = 3
 LONG_PAUSES = 1  # past the session timeout: partitions move
 SHUTS = 1
+TRIPS = 0.3  # of the single tasks, in the run with workers: sagas, some of them unwinding
 RUN_TIMEOUT_S = 240.0  # a hang guard, far above the ~100 s a run takes
 
 
 @pytest.mark.broker
 @pytest.mark.load
 @pytest.mark.timeout(RUN_TIMEOUT_S)
-@pytest.mark.parametrize("workers", [False, True], ids=["services", "workers"])
+@pytest.mark.parametrize("workers", [False, True], ids=["services", "workers-and-trips"])
 async def test_a_small_chaos_run_charges_once_and_loses_nothing(tmp_path: Path,
                                                                 workers: bool) -> None:
     # Kinds take turns, so each kind is killed once. A decider that wakes up as a zombie is
@@ -288,7 +290,8 @@ async def test_a_small_chaos_run_charges_once_and_loses_nothing(tmp_path: Path,
     config = ChaosConfig(tasks=TASKS, seed=10, window_s=WINDOW_S, drain_s=DRAIN_S,
                          pauses=PAUSES, long_pauses=LONG_PAUSES, shuts=SHUTS,
                          broker_kill=True, key_ttl_s=KEY_TTL_S, run_dir=tmp_path / "chaos",
-                         workers=workers, long_pause_kinds=("worker" if workers else "decider",))
+                         workers=workers, trips=TRIPS if workers else 0.0,
+                         long_pause_kinds=("worker" if workers else "decider",))
     kills = len(config.all_kinds())
     config.kills = kills
     report = await run(config)
@@ -303,8 +306,10 @@ async def test_a_small_chaos_run_charges_once_and_loses_nothing(tmp_path: Path,
     assert figures["pauses"]["long_moved_partitions"] >= LONG_PAUSES, text
     assert figures["published"] == TASKS, text
     assert figures["faults"]["applied"], text
-
     verdict = report.verdict
     assert verdict is not None, text
+    if config.trips:  # sagas ran, and some were undone
+        assert figures["trips"]["requested"] > 0, text
+        assert verdict.final_states["compensated"], text
     assert (len(verdict.duplicates), len(verdict.lost), verdict.wrong_tasks,
             len(verdict.stuck)) == (0, 0, 0, 0), f"{text}\n\n{findings}"
