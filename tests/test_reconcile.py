@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -12,8 +13,10 @@ from halfway.contract.webhooks import WebhookReceived
 from halfway.core import fold
 from halfway.core.fold import EffectState
 from halfway.core.next_action import (
+    Call,
     SettleNotDone,
     StepPolicy,
+    next_action,
     on_lookup_failed,
     on_nothing_found,
 )
@@ -200,6 +203,29 @@ def test_nothing_found_proves_not_done_only_past_a_declared_completion_bound(s: 
     assert isinstance(on_nothing_found(effect, unbounded, sent + timedelta(seconds=10)),
                       datetime)
     assert on_nothing_found(effect, unbounded, sent + timedelta(days=1)) is None  # window over
+
+
+def test_nothing_found_for_an_effect_that_must_happen_sends_it_again(s: Stamper) -> None:
+    """An undo (or a saga's step past its pivot) that timed out and provably never landed is
+    sent again with its key, not proven not_done and left to a person; once no retry is
+    safe, the proof is written as before (and the saga needs attention)."""
+    undo = fold([s.started(), s.intended(1), s.attempted(1, 1),
+                 s.settled(1, Outcome.DONE, attempt=1), s.undo_intended(1),
+                 s.undo_attempted(1, 1), s.undo_settled(1, Outcome.UNKNOWN, attempt=1)]
+                ).step(1).undo
+    sent = undo.attempts[0].started_at
+    bounded = StepPolicy(EffectClass.KEYED, timeout_s=5, key_ttl_s=3600, completes_within_s=30)
+    past = sent + timedelta(seconds=31 + bounded.send_window_s)
+    assert on_nothing_found(undo, bounded, past, must_happen=True) == past
+    check = s.undo_checked(1).model_copy(update={"at": past, "next_check_at": past})
+    checked = replace(undo, last_check=check, checks=1)
+    assert next_action(checked, bounded, past) == Call(2)
+    assert isinstance(on_nothing_found(undo, bounded, past), SettleNotDone)  # a plain step
+    spent = replace(bounded, attempts_max=1)
+    assert isinstance(on_nothing_found(undo, spent, past, must_happen=True), SettleNotDone)
+    forgotten = sent + timedelta(seconds=3600)  # the key is about to be forgotten
+    assert isinstance(on_nothing_found(undo, bounded, forgotten, must_happen=True),
+                      SettleNotDone)
 
 
 def test_a_lookup_that_failed_never_proves_not_done(s: Stamper) -> None:

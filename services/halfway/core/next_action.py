@@ -182,14 +182,21 @@ def _why_no_retry(effect: EffectState, policy: StepPolicy, now: datetime) -> str
     return None
 
 
-def on_nothing_found(effect: EffectState, policy: StepPolicy,
-                     now: datetime) -> SettleNotDone | datetime | None:
+def on_nothing_found(effect: EffectState, policy: StepPolicy, now: datetime, *,
+                     must_happen: bool = False) -> SettleNotDone | datetime | None:
     """After a lookup that found nothing: proof of `not_done` if the provider has certainly
-    finished every attempt, else when to look again (None: lookups are over)."""
+    finished every attempt, else when to look again (None: lookups are over).
+
+    An effect that must happen (an undo, a saga's step past its pivot) is not given up on
+    that proof while a retry with its key is safe: it did not happen, so the check says "now"
+    and `next_action` sends the retry (a refund that timed out and never landed is sent
+    again, not left to a person)."""
     if policy.completes_within_s is not None and effect.attempts:
         last_sent = max(a.started_at for a in effect.attempts)
         bound_s = policy.send_window_s + policy.completes_within_s
         if now >= last_sent + timedelta(seconds=bound_s):
+            if must_happen and _why_no_retry(effect, policy, now) is None:
+                return now
             return SettleNotDone(
                 f"nothing found {(now - last_sent).total_seconds():.0f} s after the last "
                 f"attempt, and every attempt leaves within {policy.send_window_s:g} s of "

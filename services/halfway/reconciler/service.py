@@ -13,7 +13,9 @@ sees a task's steps and the webhooks about them), and for each changed task:
 - performs the lookups `next_action` asks for, on the check schedule: a found effect is
   settled (source `lookup`); nothing found is journaled as `step.checked` with the time of the
   next check (`on_nothing_found`), or as proof of `not_done` when the tool declares that its
-  provider finishes every request within a bound;
+  provider finishes every request within a bound (an effect that must happen, an undo or a
+  saga's step past its pivot, is instead checked "now", which sends it again while a retry
+  with its key is safe);
 - escalates: when no lookup is left and no retry is safe, a `step.checked` with no next check
   says the step needs an operator (`halfway resolve`).
 
@@ -239,8 +241,10 @@ class Reconciler(StepWorker):
         detail = getattr(found, "detail", "nothing found")
         # Only a lookup that answered "nothing" may prove not_done (`completes_within_s`);
         # one that failed saw nothing at all (the chaos suite's refused connections).
-        after = (on_lookup_failed if isinstance(found, LookupFailed) else on_nothing_found)(
-            effect.state, tool.spec.policy(), now)
+        after = (on_lookup_failed(effect.state, tool.spec.policy(), now)
+                 if isinstance(found, LookupFailed)
+                 else on_nothing_found(effect.state, tool.spec.policy(), now,
+                                       must_happen=effect.must_happen))
         if isinstance(after, SettleNotDone):
             # It covers the attempts this fold has: one journaled meanwhile (an executor's
             # retry) voids it in the log (halfway.core.fold, rule 3).
