@@ -67,8 +67,10 @@ async def test_the_readme_quickstart_runs_as_written(kafka_settings: KafkaSettin
     text = output.read_text(errors="replace")
     assert code == 0, text[-4000:]
     # The caller's lines share the file with the background jobs' logs. CI once saw exit 0
-    # (the follower saw the task succeed) with no line *starting* "task: succeeded": the
-    # lines are searched for in order, and the whole tail is shown when one is missing.
+    # (the follower saw the task succeed) with no line *starting* "task: succeeded": a log
+    # line was then written in two pieces, and ours landed between them (one write per line
+    # since: test_render_and_log). The lines are searched for in order, and the whole tail
+    # is shown when one is missing.
     done = text.find("step tkt-1:1: done: open_ticket ticket:ACME-42")
     assert done >= 0, text[-4000:]
     assert text.find("task: succeeded", done) > done, text[-4000:]

@@ -68,3 +68,38 @@ def test_logs_are_json_lines_with_task_and_step_ids_bound(
     assert inside["event"] == "attempt sent"
     assert inside["attempt"] == 1
     assert "task_id" not in outside
+
+
+class _Writes:
+    """A stand-in stderr that keeps each write separately."""
+
+    def __init__(self) -> None:
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("json_lines", [True, False])
+def test_each_log_line_is_one_write(monkeypatch: pytest.MonkeyPatch, json_lines: bool) -> None:
+    """Processes that share a terminal or a file (`halfway dev &` and `halfway start` in the
+    quickstart) interleave whole writes: a line written in two pieces (print's text, then its
+    newline) let another process's line land in between, glued to the end of ours."""
+    stderr = _Writes()
+    monkeypatch.setattr("sys.stderr", stderr)
+    log.configure(json=json_lines)
+    try:
+        log.get("test").info("one line", detail="x" * 100)
+        log.get("test").warning("another\nwith a newline inside")
+    finally:
+        monkeypatch.undo()
+        log.configure()
+    assert len(stderr.writes) == 2, stderr.writes
+    assert all(w.endswith("\n") for w in stderr.writes), stderr.writes

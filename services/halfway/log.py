@@ -47,7 +47,9 @@ def configure(*, json: bool | None = None, level: str | None = None) -> None:
         processors=[*shared, structlog.processors.format_exc_info, renderer] if json
         else [*shared, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(level_no),
-        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),  # type: ignore[arg-type]
+        # One write per line (print() writes the line, then its newline): processes sharing a
+        # terminal or a file never glue another's line onto the end of one of ours.
+        logger_factory=structlog.WriteLoggerFactory(file=_Stderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=True,
     )
     # Libraries log through the stdlib: route them through the same renderer.
