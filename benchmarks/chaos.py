@@ -888,6 +888,7 @@ async def _run(config: ChaosConfig, run_dir: Path) -> Report:
                 "HALFWAY_CHARGE_KEY_TTL_S": str(config.key_ttl_s),
                 "HALFWAY_TRAVEL_KEY_TTL_S": str(config.key_ttl_s),
                 "HALFWAY_CHARGE_COMPLETES_WITHIN_S": str(config.completes_within_s),
+                "HALFWAY_TRAVEL_COMPLETES_WITHIN_S": str(config.completes_within_s),
                 "HALFWAY_GATEWAY_PORT": str(gateway_port),
                 "HALFWAY_PAYSIM_WEBHOOK_SECRET": WEBHOOK_SECRET,
                 "HALFWAY_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1"}

@@ -9,7 +9,12 @@ import sys
 
 import pytest
 
-from halfway.settings import SettingsError, charge_timeout_s, partitions
+from halfway.settings import (
+    SettingsError,
+    charge_timeout_s,
+    partitions,
+    travel_completes_within_s,
+)
 
 BAD = [
     ("HALFWAY_PARTITIONS", "abc", "is not a whole number"),
@@ -47,3 +52,18 @@ def test_unset_or_blank_settings_take_their_defaults(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("HALFWAY_CHARGE_TIMEOUT_S", "0")
     with pytest.raises(SettingsError, match="HALFWAY_CHARGE_TIMEOUT_S"):
         charge_timeout_s()
+
+
+def test_a_provider_bound_is_660_s_by_default_and_off_turns_it_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    name = "HALFWAY_TRAVEL_COMPLETES_WITHIN_S"
+    monkeypatch.delenv(name, raising=False)
+    assert travel_completes_within_s() == 660.0
+    monkeypatch.setenv(name, "30")
+    assert travel_completes_within_s() == 30.0
+    for off in ("off", "none", "0", " OFF "):
+        monkeypatch.setenv(name, off)
+        assert travel_completes_within_s() is None
+    monkeypatch.setenv(name, "soon")
+    with pytest.raises(SettingsError, match=name):
+        travel_completes_within_s()

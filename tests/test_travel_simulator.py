@@ -132,6 +132,12 @@ def test_the_tools_declare_their_saga_roles_and_undos() -> None:
         BookHotelArgs.model_validate({"hotel": "HTL-1", "guest": "Ada", "nights": "3"})
 
 
+def test_the_tools_carry_the_providers_bound_only_when_given() -> None:
+    assert {spec.completes_within_s for spec, _ in travel_tools("http://tripsim")} == {None}
+    bounded = travel_tools("http://tripsim", completes_within_s=660.0)
+    assert {spec.completes_within_s for spec, _ in bounded} == {660.0}
+
+
 # --- flights -------------------------------------------------------------------------------------
 
 

@@ -331,18 +331,29 @@ def reconciler_lookups() -> bool:
     return os.environ.get("HALFWAY_RECONCILER_LOOKUPS", "on").lower() not in ("off", "0", "no")
 
 
-# paysim finishes every request within its longest fault delay (600 s); a margin on top.
-DEFAULT_CHARGE_COMPLETES_WITHIN_S = 660.0
+# paysim and tripsim finish every request within their longest fault delay (600 s); a margin
+# on top.
+DEFAULT_COMPLETES_WITHIN_S = 660.0
 
 
 def charge_completes_within_s() -> float | None:
     """How long the payment provider may take to finish any request: past it, a lookup that
     finds nothing proves the charge did not happen. paysim's bound by default; `off` for a
     provider whose search lags (Stripe's does), where nothing found proves nothing."""
-    name = "HALFWAY_CHARGE_COMPLETES_WITHIN_S"
+    return _completes_within_s("HALFWAY_CHARGE_COMPLETES_WITHIN_S")
+
+
+def travel_completes_within_s() -> float | None:
+    """The same for the travel provider's holds, bookings, emails and their undos: tripsim's
+    bound by default (its lookups show every effect at once); `off` for one whose search lags
+    (Mailgun's event search does)."""
+    return _completes_within_s("HALFWAY_TRAVEL_COMPLETES_WITHIN_S")
+
+
+def _completes_within_s(name: str) -> float | None:
     if os.environ.get(name, "").strip().lower() in ("off", "none", "0"):
         return None
-    return number_from_env(name, DEFAULT_CHARGE_COMPLETES_WITHIN_S, above_low=True)
+    return number_from_env(name, DEFAULT_COMPLETES_WITHIN_S, above_low=True)
 
 
 def charge_key_ttl_s() -> float:

@@ -67,7 +67,8 @@ def builtin_tools() -> list[Tool]:
                                 key_ttl_s=settings.charge_key_ttl_s(),
                                 completes_within_s=settings.charge_completes_within_s())
     travel = travel_tools(settings.tripsim_url(), timeout_s=settings.travel_timeout_s(),
-                          key_ttl_s=settings.travel_key_ttl_s())
+                          key_ttl_s=settings.travel_key_ttl_s(),
+                          completes_within_s=settings.travel_completes_within_s())
     return [Tool(spec, PaymentsAdapter(settings.paysim_url())), *(Tool(s, a) for s, a in travel)]
 
 

@@ -140,11 +140,15 @@ def message_id(key: str) -> str:
 # --- specs ---------------------------------------------------------------------------------------
 
 
-def travel_specs(timeout_s: float = 5.0, key_ttl_s: float = KEY_TTL_S_DEFAULT) -> list[ToolSpec]:
+def travel_specs(timeout_s: float = 5.0, key_ttl_s: float = KEY_TTL_S_DEFAULT,
+                 completes_within_s: float | None = None) -> list[ToolSpec]:
     """The five specs; `key_ttl_s` must not exceed what the provider keeps (tripsim's
-    `--key-ttl-s`)."""
+    `--key-ttl-s`); `completes_within_s` only for a provider that finishes every request
+    within it and whose lookups show every effect at once (then nothing found past it proves
+    not done: a booking stuck behind a saved 500 fails its saga, which is undone)."""
     keyed: dict[str, Any] = {"effect_class": EffectClass.KEYED, "timeout_s": timeout_s,
-                             "key_ttl_s": key_ttl_s, "has_lookup": True}
+                             "key_ttl_s": key_ttl_s, "has_lookup": True,
+                             "completes_within_s": completes_within_s}
     return [
         ToolSpec(
             name=HOLD_FLIGHT, evidence_id="hold_id", args_model=HoldFlightArgs,
@@ -180,11 +184,12 @@ def travel_specs(timeout_s: float = 5.0, key_ttl_s: float = KEY_TTL_S_DEFAULT) -
 
 
 def travel_tools(base_url: str, *, timeout_s: float = 5.0,
-                 key_ttl_s: float = KEY_TTL_S_DEFAULT) -> list[tuple[ToolSpec, TravelAdapter]]:
+                 key_ttl_s: float = KEY_TTL_S_DEFAULT, completes_within_s: float | None = None,
+                 ) -> list[tuple[ToolSpec, TravelAdapter]]:
     """Every trip tool with its adapter: one `TravelAdapter` serves all five (close it once;
     closing it again is harmless)."""
     adapter = TravelAdapter(base_url)
-    return [(spec, adapter) for spec in travel_specs(timeout_s, key_ttl_s)]
+    return [(spec, adapter) for spec in travel_specs(timeout_s, key_ttl_s, completes_within_s)]
 
 
 # --- evidence ------------------------------------------------------------------------------------
