@@ -118,6 +118,20 @@ def test_guard_moves_follow_the_tasks_journal() -> None:
     assert guard_moves([c1], unknown, placing=set()) == []  # unknown keeps its claim
 
 
+def test_a_fold_behind_the_claimer_leaves_the_claim_alone() -> None:
+    """A process that slept while its partitions moved wakes with a fold that lacks what the
+    claimer had read: it must not call the claim abandoned (the step may be placed on it)."""
+    s = Stamper("a")
+    c1, c3 = claim("a:1"), claim("a:3")
+    assert guard_moves([c1], fold([], "a"), placing=set()) == []  # not even started here
+    one_step = fold([s.started(), s.intended(1, claim_id=c1.event_id)])
+    assert guard_moves([c3], one_step, placing=set()) == []  # step 2 unseen: behind
+    two_steps = fold([*events_of(s, one_step), s.intended(2, subject="invoice:OTHER")])
+    (move,) = guard_moves([c3], two_steps, placing=set())
+    assert isinstance(move, Withdraw)
+    assert move.claims == (c3,)
+
+
 def test_a_step_placed_on_a_withdrawn_claim_is_never_accepted() -> None:
     """The frozen decider: its claim was withdrawn while it slept; its late decision loses."""
     s = Stamper("x")

@@ -26,7 +26,8 @@ verdict, the same one in every instance that reads the partition, after any rest
 
 `guard_moves` says what a task's owner must do with its claims, from the task's journal:
 release it when its step settled; when the claim never became the step (a crash between the
-claim and `step.intended`, a paused decider, another proposal placed instead), withdraw it in
+claim and `step.intended`, a paused decider, another proposal placed instead), and the fold has
+read as far as the claimer had (the task started, the step before decided), withdraw it in
 the task's journal first (`claim.withdrawn`), and release it only once the journal accepted
 the withdrawal. Why that order is enough: a release of an abandoned claim is written only after
 a withdrawal that the fold accepted, so every `step.intended` placed on that claim either came
@@ -159,7 +160,7 @@ def guard_moves(claims: Iterable[SubjectClaimed], state: TaskState,
             elif step.outcome is Outcome.NOT_DONE:
                 out.append(Release(claim, ReleaseKind.NOT_DONE))
             continue  # the step holds its claim until it settles
-        if step is None and n in placing:
+        if step is None and (n in placing or not _fold_reached(state, n)):
             continue
         if claim.event_id in state.withdrawn_claims:
             out.append(Release(claim, ReleaseKind.ABANDONED))
@@ -172,6 +173,14 @@ def guard_moves(claims: Iterable[SubjectClaimed], state: TaskState,
                     "claiming and deciding)")
         out.append(Withdraw(tuple(mine), why))
     return out
+
+
+def _fold_reached(state: TaskState, n: int) -> bool:
+    """Whether this fold has read as far as the claimer of step `n` had: a decider claims for
+    step n only once its fold has the task started and step n-1 decided. A fold without them
+    is behind the log (a paused process whose partitions moved while it slept): it cannot tell
+    an abandoned claim from a placed one, so it leaves the claim alone until it reads more."""
+    return state.started is not None and (n == 1 or n - 1 in state.steps)
 
 
 def _placed_on(intent: StepIntended, claim: SubjectClaimed) -> bool:
