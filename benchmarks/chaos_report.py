@@ -49,6 +49,15 @@ class Report:
         return out
 
 
+
+# The fold's notes on a late write by a process that slept or lost its partitions: the log
+# took the write and fenced it (it changed nothing). Any other note is worth a look.
+FENCED_NOTES = ("void: ", "not accepted: ", "which the log did not take")
+
+
+def is_fenced(note: str) -> bool:
+    return any(marker in note for marker in FENCED_NOTES)
+
 def fault_counts(requests: list[dict[str, Any]], names: Mapping[str, dict[str, Any]],
                  ) -> dict[str, Any]:
     """Which armed faults paysim applied, from its request log. A delay, 5xx or decline shapes
@@ -237,7 +246,9 @@ def render(report: Report) -> str:
         f"({lat['count']} steps; {v.unknown_never_settled} unknown never settled)",
         f"ledger           {v.charges_succeeded} succeeded, {v.charges_failed} failed charges",
         *([f"trips            {j['trips']}"] if j.get("trips", {}).get("requested") else []),
-        f"contradictions   {len(v.contradictions)}   fold anomalies {len(v.anomalies)}",
+        f"contradictions   {len(v.contradictions)}   fold anomalies {len(v.anomalies)} "
+        f"({sum(1 for f in v.anomalies if is_fenced(f.what))} of them late writes the log "
+        f"fenced: void withdrawals, refused decisions and their attempts)",
         f"faults applied   {j['faults']['applied']}",
         f"  ({j['faults']['charge_requests']} charge requests, {j['faults']['replayed']} "
         f"replayed, {j['faults']['answered_409']} answered 409; rules hit without effect: "
