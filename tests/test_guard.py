@@ -124,6 +124,8 @@ def test_a_fold_behind_the_claimer_leaves_the_claim_alone() -> None:
     s = Stamper("a")
     c1, c3 = claim("a:1"), claim("a:3")
     assert guard_moves([c1], fold([], "a"), placing=set()) == []  # not even started here
+    (move,) = guard_moves([c1], fold([s.requested(), s.rejected()]), placing=set())
+    assert isinstance(move, Withdraw)  # a rejected task places nothing: its claim is let go
     one_step = fold([s.started(), s.intended(1, claim_id=c1.event_id)])
     assert guard_moves([c3], one_step, placing=set()) == []  # step 2 unseen: behind
     two_steps = fold([*events_of(s, one_step), s.intended(2, subject="invoice:OTHER")])

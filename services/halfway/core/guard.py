@@ -179,7 +179,10 @@ def _fold_reached(state: TaskState, n: int) -> bool:
     """Whether this fold has read as far as the claimer of step `n` had: a decider claims for
     step n only once its fold has the task started and step n-1 decided. A fold without them
     is behind the log (a paused process whose partitions moved while it slept): it cannot tell
-    an abandoned claim from a placed one, so it leaves the claim alone until it reads more."""
+    an abandoned claim from a placed one, so it leaves the claim alone until it reads more.
+    A rejected task places nothing: its claims are abandoned whatever the fold lacks."""
+    if state.rejected is not None:
+        return True
     return state.started is not None and (n == 1 or n - 1 in state.steps)
 
 
