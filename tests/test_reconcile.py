@@ -19,6 +19,7 @@ from halfway.core.next_action import (
     next_action,
     on_lookup_failed,
     on_nothing_found,
+    plan_check,
 )
 from halfway.core.reconcile import (
     Corroborate,
@@ -203,6 +204,27 @@ def test_nothing_found_proves_not_done_only_past_a_declared_completion_bound(s: 
     assert isinstance(on_nothing_found(effect, unbounded, sent + timedelta(seconds=10)),
                       datetime)
     assert on_nothing_found(effect, unbounded, sent + timedelta(days=1)) is None  # window over
+
+
+def test_lookups_go_on_until_the_moment_nothing_found_proves_not_done(s: Stamper) -> None:
+    """With a declared bound, no check is scheduled past the moment an empty lookup proves
+    not_done, and the checks do not stop before it while it lies within the lookup window
+    (the schedule's next delay overshooting the window would have left it to an operator).
+    Past the window (the provider may have forgotten the key), nothing changes."""
+    effect = unknown_effect(s)
+    sent = effect.attempts[0].started_at
+    policy = StepPolicy(EffectClass.KEYED, timeout_s=5, key_ttl_s=3600, completes_within_s=30,
+                        lookup_window_s=40, check_delays_s=(30.0,))
+    proves_at = sent + timedelta(seconds=30 + policy.send_window_s)
+    assert plan_check(effect, policy, sent + timedelta(seconds=15)) is None  # 45 s: past 40
+    assert on_nothing_found(effect, policy, sent + timedelta(seconds=15)) == proves_at
+    assert on_lookup_failed(effect, policy, sent + timedelta(seconds=15)) == proves_at
+    slow = replace(policy, lookup_window_s=100, check_delays_s=(60.0,))
+    assert on_nothing_found(effect, slow, sent + timedelta(seconds=1)) == proves_at  # not 61
+    assert isinstance(on_nothing_found(effect, policy, proves_at), SettleNotDone)
+    assert on_lookup_failed(effect, policy, proves_at) is None  # saw nothing: over, as before
+    narrow = replace(policy, lookup_window_s=20)  # the proof would come past the window
+    assert on_nothing_found(effect, narrow, sent + timedelta(seconds=15)) is None
 
 
 def test_nothing_found_for_an_effect_that_must_happen_sends_it_again(s: Stamper) -> None:

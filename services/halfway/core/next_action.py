@@ -33,7 +33,7 @@ point, makes the same move.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from halfway.contract import EffectClass, Outcome
 from halfway.core.fold import EffectState
@@ -191,36 +191,59 @@ def on_nothing_found(effect: EffectState, policy: StepPolicy, now: datetime, *,
     that proof while a retry with its key is safe: it did not happen, so the check says "now"
     and `next_action` sends the retry (a refund that timed out and never landed is sent
     again, not left to a person)."""
-    if policy.completes_within_s is not None and effect.attempts:
+    proves_at = _proof_at(effect, policy)
+    if proves_at is not None and now >= proves_at:
+        if must_happen and _why_no_retry(effect, policy, now) is None:
+            return now
         last_sent = max(a.started_at for a in effect.attempts)
-        bound_s = policy.send_window_s + policy.completes_within_s
-        if now >= last_sent + timedelta(seconds=bound_s):
-            if must_happen and _why_no_retry(effect, policy, now) is None:
-                return now
-            return SettleNotDone(
-                f"nothing found {(now - last_sent).total_seconds():.0f} s after the last "
-                f"attempt, and every attempt leaves within {policy.send_window_s:g} s of "
-                f"being journaled and the provider finishes every request within "
-                f"{policy.completes_within_s:g} s")
-    return plan_check(effect, policy, now)
+        return SettleNotDone(
+            f"nothing found {(now - last_sent).total_seconds():.0f} s after the last "
+            f"attempt, and every attempt leaves within {policy.send_window_s:g} s of "
+            f"being journaled and the provider finishes every request within "
+            f"{policy.completes_within_s:g} s")
+    return _next_check(effect, policy, now, proves_at)
 
 
 def on_lookup_failed(effect: EffectState, policy: StepPolicy, now: datetime) -> datetime | None:
     """After a lookup that itself failed (refused, timed out, a 5xx): it saw nothing, so it
     proves nothing, however long after the last attempt it came; when to look again (None:
     lookups are over)."""
-    return plan_check(effect, policy, now)
+    return _next_check(effect, policy, now, _proof_at(effect, policy))
+
+
+def _proof_at(effect: EffectState, policy: StepPolicy) -> datetime | None:
+    """From when an empty lookup proves `not_done` (the tool declares `completes_within_s`)."""
+    if policy.completes_within_s is None or not effect.attempts:
+        return None
+    last_sent = max(a.started_at for a in effect.attempts)
+    return last_sent + timedelta(seconds=policy.send_window_s + policy.completes_within_s)
+
+
+def _next_check(effect: EffectState, policy: StepPolicy, now: datetime,
+                proves_at: datetime | None) -> datetime | None:
+    """`plan_check`, but while a lookup is yet to prove the answer (`proves_at` ahead, within
+    the lookup window), the checks run until then and never past it: one lookup then settles
+    what the schedule would otherwise answer later, or leave to an operator (its next delay
+    overshot the window). Past the window a lookup is not trusted (the provider may have
+    forgotten the key it looks up by), so the proof is never sought there."""
+    planned = plan_check(effect, policy, now)
+    if proves_at is None or proves_at <= now or proves_at > _lookups_end(effect, policy):
+        return planned
+    return proves_at if planned is None or planned > proves_at else planned
 
 
 def plan_check(effect: EffectState, policy: StepPolicy, now: datetime) -> datetime | None:
     """When to look up again after a check that found nothing (None: no more lookups)."""
     checks_done = effect.checks
     at = now + timedelta(seconds=_delay_s(policy, checks_done))
-    if effect.attempts:
-        window_ends = effect.attempts[0].started_at + timedelta(seconds=policy.lookup_window_s)
-        if at > window_ends:
-            return None
-    return at
+    return None if at > _lookups_end(effect, policy) else at
+
+
+def _lookups_end(effect: EffectState, policy: StepPolicy) -> datetime:
+    """When the lookup window closes: `lookup_window_s` after the first attempt."""
+    if not effect.attempts:
+        return datetime.max.replace(tzinfo=UTC)
+    return effect.attempts[0].started_at + timedelta(seconds=policy.lookup_window_s)
 
 
 def _delay_s(policy: StepPolicy, index: int) -> float:
