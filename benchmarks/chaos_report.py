@@ -49,7 +49,6 @@ class Report:
         return out
 
 
-
 # The fold's notes on a late write by a process that slept or lost its partitions: the log
 # took the write and fenced it (it changed nothing). Any other note is worth a look.
 FENCED_NOTES = ("void: ", "not accepted: ", "which the log did not take")
@@ -57,6 +56,7 @@ FENCED_NOTES = ("void: ", "not accepted: ", "which the log did not take")
 
 def is_fenced(note: str) -> bool:
     return any(marker in note for marker in FENCED_NOTES)
+
 
 def fault_counts(requests: list[dict[str, Any]], names: Mapping[str, dict[str, Any]],
                  ) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from halfway.settings import (
     partitions,
     travel_completes_within_s,
 )
+from halfway.tools.registry import builtin_tools
 
 BAD = [
     ("HALFWAY_PARTITIONS", "abc", "is not a whole number"),
@@ -67,3 +68,12 @@ def test_a_provider_bound_is_660_s_by_default_and_off_turns_it_off(
     monkeypatch.setenv(name, "soon")
     with pytest.raises(SettingsError, match=name):
         travel_completes_within_s()
+
+
+def test_the_builtin_tools_take_their_bounds_from_the_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HALFWAY_TRAVEL_COMPLETES_WITHIN_S", "30")
+    monkeypatch.setenv("HALFWAY_CHARGE_COMPLETES_WITHIN_S", "off")
+    bounds = {tool.spec.name: tool.spec.completes_within_s for tool in builtin_tools()}
+    assert bounds.pop("charge_customer") is None
+    assert set(bounds.values()) == {30.0}, bounds
