@@ -62,7 +62,8 @@ How to read the table:
   broker; restate-server and the service; the DBOS app and PostgreSQL (the backends of its
   database and the server's own auxiliary processes); and for every system the caller (this
   process) and the stub. The broker and PostgreSQL are shared machines: anything else using
-  them during a run is counted too.
+  them during a run is counted too. By phase: the same for the system's processes alone (not
+  the caller, not the stub), per task of each phase, which shows what concurrency amortizes.
 - unknown: halfway's steps settled `unknown` (a call past the tool's timeout), each settled
   later by the reconciler's lookup; each one stretches its task's latency.
 Durability is not the same everywhere, and the figures say nothing about it: the local broker
@@ -345,6 +346,9 @@ class System:
     inflight_sps: list[float] = field(default_factory=list)
     cpu: dict[str, float] = field(default_factory=dict)
     tasks_run: int = 0
+    # CPU of the system's own processes (not the caller's, not the stub's) and tasks, by phase
+    phase_cpu: dict[str, dict[str, float]] = field(default_factory=dict)
+    phase_tasks: dict[str, int] = field(default_factory=dict)
 
     async def setup(self, bench: Bench) -> None: ...
 
@@ -765,8 +769,18 @@ async def run_system(system: System, bench: Bench, args: argparse.Namespace, r: 
     caller_before = resource.getrusage(resource.RUSAGE_SELF)
     stub_before = cpu_s(bench.stub_pid)
     made_before = await things(http, bench.stub_url)
+    mark = dict(before)
+
+    def phase_done(phase: str, tasks: int) -> None:
+        spent = system.phase_cpu.setdefault(phase, {})
+        for name, probe in probes.items():
+            now = probe()
+            spent[name] = spent.get(name, 0.0) + now - mark[name]
+            mark[name] = now
+        system.phase_tasks[phase] = system.phase_tasks.get(phase, 0) + tasks
 
     latencies = [await timed(system, f"{tag}-s{i}") for i in range(args.tasks)]
+    phase_done("sequential", args.tasks)
     system.latencies_ms += latencies
     system.round_p50_ms.append(statistics.median(latencies))
 
@@ -780,12 +794,14 @@ async def run_system(system: System, bench: Bench, args: argparse.Namespace, r: 
     start = time.perf_counter()
     await all_of([caller() for _ in range(args.callers)])
     system.callers_tps.append(args.tasks / (time.perf_counter() - start))
+    phase_done(f"{args.callers} callers", args.tasks)
 
     if args.inflight:
         start = time.perf_counter()
         await all_of([timed(system, f"{tag}-f{i}", INFLIGHT_TIMEOUT_S)
                       for i in range(args.inflight)])
         system.inflight_sps.append(STEPS * args.inflight / (time.perf_counter() - start))
+        phase_done(f"{args.inflight} in flight", args.inflight)
 
     ran = 2 * args.tasks + args.inflight
     system.tasks_run += ran
@@ -882,6 +898,14 @@ def report(systems: list[System], floor: Floor, args: argparse.Namespace, second
         print(f"  {s.name:<8} " + (", ".join(parts) + f" (= {system_ms:.2f}); " if parts else "")
               + f"caller {per.get('caller', 0):.2f}, stub {per.get('stub', 0):.2f}"
               + f"  [{s.tasks_run} tasks]")
+    print("CPU per task by phase, ms (the system's processes; whether concurrency amortizes):")
+    for s in systems:
+        for phase, n in s.phase_tasks.items():
+            spent = s.phase_cpu.get(phase, {})
+            if n and spent:
+                parts = ", ".join(f"{k} {v / n * 1e3:.2f}" for k, v in spent.items())
+                print(f"  {s.name:<9} {phase:<14} {sum(spent.values()) / n * 1e3:6.2f} "
+                      f"({parts})")
     versions = [f"{s.name}: {s.version}" for s in systems if s.version]
     if versions:
         print("versions: " + "; ".join(versions))

@@ -63,4 +63,7 @@ async def test_side_by_side_prints_a_row_for_each_halfway_system_and_variant(
     assert re.search(r"^restate\s+not run: skipped", out, re.MULTILINE), out[-3000:]
     assert re.search(r"^  halfway-w worker [\d.]+, reconciler [\d.]+", out, re.MULTILINE), \
         out[-3000:]
+    for phase in ("sequential", "2 callers", "8 in flight"):  # each phase's CPU of its own
+        assert re.search(rf"^  halfway-w\s+{phase}\s+[\d.]+ \(worker [\d.]+, reconciler ",
+                         out, re.MULTILINE), out[-3000:]
     assert "floor: journal append (acks=all) p50" in out
