@@ -24,8 +24,9 @@ Trips (sagas) are judged the same way against tripsim's ledger, step by step and
 - duplicate: more than one hold, booking or email under one step's key;
 - lost: an effect under a key no step carries; a step `done` with no effect under its key;
 - wrong: a step `not_done` with an effect under its key; an undo `done` whose effect still
-  stands, or one `not_done` whose effect its key undid; a trip `succeeded` with an effect undone,
-  or one `failed`/`compensated` with a hold or booking still standing or an email sent.
+  stands, or one `not_done` (under any of its keys) whose effect that key undid; a trip
+  `succeeded` with an effect undone, or one `failed`/`compensated` with a hold or booking
+  still standing or an email sent.
 
 Steps still unknown are never judged against the ledger: unknown is not wrong.
 """
@@ -39,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from halfway.contract import FinalState, Outcome
-from halfway.contract.ids import parse_step_id
+from halfway.contract.ids import parse_step_id, step_of_key
 from halfway.contract.outcomes import OutcomeChanged
 from halfway.core.fold import EffectState, TaskState
 from halfway.outcomes.derive import visible
@@ -57,7 +58,7 @@ INVOICE_METADATA = "invoice"
 REASON_CHARS_MAX = 160  # a needs-attention reason, once its ids are replaced, for grouping
 
 # Ids and numbers in a reason make every reason unique; replaced so that reasons group.
-_STEP_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*:\d+(?::undo)?")
+_STEP_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*:\d+(?::undo[2-9]?)?")
 _PROVIDER_ID = re.compile(r"\b(?:ch|evt|req)_[0-9a-f]+\b")
 _NUMBER = re.compile(r"\b\d+(?:\.\d+)?\b")
 _TIMESTAMP = re.compile(r"\d{4}-\d{2}-\d{2}[T ][\d:.+\-]+Z?")
@@ -277,20 +278,24 @@ def _judge_trip(verdict: Verdict, task_id: str, state: TaskState,
         elif step.outcome is Outcome.NOT_DONE and made:
             verdict.wrong.append(Finding(task_id, f"{step.step_id} is not_done in the journal, "
                                                    f"but tripsim has {named} under its key"))
-        undo_key = step.compensation.key if step.compensation is not None else None
+        # The undo under each of its keys: earlier ones were proven to have done nothing.
+        undos = [(p.plan.key, p.state) for p in step.past_undos]
+        if step.compensation is not None:
+            undos.append((step.compensation.key, step.undo))
         for effect, name in zip(made, named, strict=True):
             if effect.get("status") == undone_status:
                 undone.append(f"{name} ({step.step_id})")
             else:
                 standing.append(f"{name} ({step.step_id})")
-            undid = undo_key is not None and undo_keys is not None and \
-                undo_key in effect.get(undo_keys, [])
+            answered = effect.get(undo_keys, []) if undo_keys is not None else []
             if step.undo.outcome is Outcome.DONE and effect.get("status") != undone_status:
                 verdict.wrong.append(Finding(task_id, f"{step.step_id}: its undo is done in the "
                                                       f"journal, but {name} still stands"))
-            elif step.undo.outcome is Outcome.NOT_DONE and undid:
-                verdict.wrong.append(Finding(task_id, f"{step.step_id}: its undo is not_done in "
-                                                      f"the journal, but its key undid {name}"))
+            for key, undo in undos:
+                if undo.outcome is Outcome.NOT_DONE and key in answered:
+                    verdict.wrong.append(Finding(task_id, f"{step.step_id}: its undo under {key} "
+                                                          f"is not_done in the journal, but that "
+                                                          f"key undid {name}"))
     final = state.final_state
     if final is FinalState.SUCCEEDED and undone:
         verdict.wrong.append(Finding(task_id, f"finished succeeded, but tripsim undid {undone}"))
@@ -305,7 +310,7 @@ def _task_of(key: str | None) -> str | None:
     if key is None:
         return None
     try:
-        return parse_step_id(key.removesuffix(":undo"))[0]
+        return parse_step_id(step_of_key(key))[0]
     except ValueError:
         return None
 
@@ -419,7 +424,7 @@ def attention_reason(state: TaskState, states: Mapping[str, TaskState]) -> str |
     Either one of its steps needs attention, or its next step is blocked by a subject whose
     holder needs attention: the task waits for that holder, so for the same person."""
     for step in state.steps.values():
-        for effect in (step.effect, step.undo):
+        for effect in (step.effect, step.undo, *(p.state for p in step.past_undos)):
             if effect.needs_attention:
                 check = effect.last_check
                 found = check.found if check is not None else "escalated"

@@ -122,27 +122,32 @@ class Stamper:
                            next_check_at=None if next_in is None else stamp["at"] + next_in)
 
     def undo_intended(self, n: int, tool: str = "refund_charge",
-                      args: dict[str, Any] | None = None) -> CompensationIntended:
+                      args: dict[str, Any] | None = None, *,
+                      generation: int = 1) -> CompensationIntended:
         sid = step_id(self.task_id, n)
         return CompensationIntended(**self.stamp(), step_id=sid, tool=tool,
                                     args={"charge": "ch_1"} if args is None else args,
-                                    key=mint_undo_key(sid))
+                                    key=mint_undo_key(sid, generation), generation=generation)
 
-    def undo_attempted(self, n: int, attempt: int) -> CompensationAttempted:
+    def undo_attempted(self, n: int, attempt: int, *,
+                       generation: int = 1) -> CompensationAttempted:
         sid = step_id(self.task_id, n)
         return CompensationAttempted(**self.stamp(), step_id=sid, attempt=attempt,
-                                     key=mint_undo_key(sid), started_at=self.now)
+                                     key=mint_undo_key(sid, generation), started_at=self.now)
 
     def undo_settled(self, n: int, outcome: Outcome, *, attempt: int | None = None,
-                     source: SettlementSource = SettlementSource.CALL) -> CompensationSettled:
+                     source: SettlementSource = SettlementSource.CALL, generation: int = 1,
+                     **kw: Any) -> CompensationSettled:
+        fields = _settlement(outcome, attempt, source, None, None) | kw
         return CompensationSettled(**self.stamp(), step_id=step_id(self.task_id, n),
-                                   **_settlement(outcome, attempt, source, None, None))
+                                   generation=generation, **fields)
 
-    def undo_checked(self, n: int, next_in: timedelta | None = timedelta(seconds=2)
-                     ) -> CompensationChecked:
+    def undo_checked(self, n: int, next_in: timedelta | None = timedelta(seconds=2), *,
+                     generation: int = 1) -> CompensationChecked:
         stamp = self.stamp()
         return CompensationChecked(**stamp, step_id=step_id(self.task_id, n),
-                                   next_check_at=None if next_in is None else stamp["at"] + next_in)
+                                   next_check_at=None if next_in is None else stamp["at"] + next_in,
+                                   generation=generation)
 
     def aborted(self, reason: str = "the customer cancelled the trip",
                 by: str = "operator") -> TaskAborted:

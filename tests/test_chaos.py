@@ -263,7 +263,36 @@ def test_an_undo_not_done_whose_key_released_the_hold_is_wrong() -> None:
                s.undo_settled(1, Outcome.NOT_DONE, attempt=1)]
     verdict = judged_trips({"t-x": journal}, tripsim_ledger("t-x", hotel_full=True), [])
     assert [f.what for f in verdict.wrong] == [
-        "t-x:1: its undo is not_done in the journal, but its key undid hold h_1"]
+        "t-x:1: its undo under t-x:1:undo is not_done in the journal, but that key undid "
+        "hold h_1"]
+
+
+@pytest.mark.parametrize("first_key_undid", [False, True])
+def test_an_undo_sent_again_under_its_next_key_is_judged_under_each_key(
+        first_key_undid: bool) -> None:
+    # The release under t-y:1:undo was proven to have done nothing, and went again under
+    # t-y:1:undo2, which released the hold. Had the first key released it after all, the
+    # proof was wrong: the journal says not_done for a key that undid the hold.
+    s = Stamper("t-y")
+    journal = [*trip_journal("t-y", hotel_full=True)[:-4],
+               s.undo_intended(1, tool="release_flight", args={"hold_id": "h_1"}),
+               s.undo_attempted(1, 1),
+               s.undo_settled(1, Outcome.UNKNOWN, attempt=1, replayed=True),
+               s.undo_settled(1, Outcome.NOT_DONE, attempt=1, source=SettlementSource.LOOKUP,
+                              reason="nothing found"),
+               s.undo_intended(1, tool="release_flight", args={"hold_id": "h_1"},
+                               generation=2),
+               s.undo_attempted(1, 1, generation=2),
+               s.undo_settled(1, Outcome.DONE, attempt=1, generation=2),
+               s.finished(FinalState.COMPENSATED)]
+    travel = tripsim_ledger("t-y", hotel_full=True)
+    travel["holds"][0]["release_keys"] = (["t-y:1:undo"] if first_key_undid else []) + [
+        "t-y:1:undo2"]
+    verdict = judged_trips({"t-y": journal}, travel, [])
+    assert verdict.final_states == {"compensated": 1}
+    assert [f.what for f in verdict.wrong] == ([
+        "t-y:1: its undo under t-y:1:undo is not_done in the journal, but that key undid "
+        "hold h_1"] if first_key_undid else [])
 
 
 # --- a small run against real processes ----------------------------------------------------------

@@ -21,6 +21,7 @@ from halfway.contract import (
     SettlementSource,
     TaskPolicy,
 )
+from halfway.contract.ids import UNDO_KEYS_MAX
 from halfway.core import saga
 from halfway.core.decide import (
     Abort,
@@ -99,12 +100,29 @@ class Trip:
         return move
 
     def compensate(self, move: Compensate) -> None:
-        for n, tool, args in move.undos:
-            self.log.append(self.s.undo_intended(n, tool=tool, args=args))
+        for n, tool, args, generation in move.undos:
+            self.log.append(self.s.undo_intended(n, tool=tool, args=args,
+                                                 generation=generation))
 
-    def undo(self, n: int, outcome: Outcome = Outcome.DONE) -> None:
-        self.log.append(self.s.undo_attempted(n, 1))
-        self.log.append(self.s.undo_settled(n, outcome, attempt=1))
+    def undo(self, n: int, outcome: Outcome = Outcome.DONE, **kw: Any) -> None:
+        """Attempt step n's undo under its latest key, and settle it."""
+        generation = self.state().steps[n].undo_generation
+        self.log.append(self.s.undo_attempted(n, 1, generation=generation))
+        self.log.append(self.s.undo_settled(n, outcome, attempt=1, generation=generation,
+                                            **kw))
+
+    def undo_proven_absent(self, n: int) -> None:
+        """Step n's undo under its latest key: a saved 5xx replayed, then a lookup that found
+        nothing past the provider's bound (`not_done`, source lookup, no effect named)."""
+        generation = self.state().steps[n].undo_generation
+        self.log.append(self.s.undo_attempted(n, 1, generation=generation))
+        self.log.append(self.s.undo_settled(n, Outcome.UNKNOWN, attempt=1,
+                                            generation=generation, replayed=True,
+                                            reason="the provider replayed a saved 500"))
+        self.log.append(self.s.undo_settled(n, Outcome.NOT_DONE, attempt=1,
+                                            generation=generation,
+                                            source=SettlementSource.LOOKUP,
+                                            reason="nothing found past the provider's bound"))
 
 
 def refusal(trip: Trip, tool: str) -> str:
@@ -170,8 +188,8 @@ def test_a_step_not_done_undoes_the_done_steps_last_first_then_compensated() -> 
     trip.run(trip.place("charge_customer"), Outcome.NOT_DONE)  # the card is declined
     move = trip.decide()
     assert move == Compensate(
-        ((2, "cancel_hotel_booking", {"ref": "ref-2"}),
-         (1, "release_flight_hold", {"ref": "ref-1"})),
+        ((2, "cancel_hotel_booking", {"ref": "ref-2"}, 1),
+         (1, "release_flight_hold", {"ref": "ref-1"}, 1)),
         "step trip-7:3 (charge_customer) was not done: refused: card declined")
     trip.compensate(move)
     state = trip.state()
@@ -206,7 +224,7 @@ def test_an_unknown_step_is_undone_only_once_proven_done(proven: Outcome) -> Non
     trip.run(hotel, Outcome.UNKNOWN)
     move = trip.decide()
     # The saga gives up on the unknown step: the hold is undone-to-be, the hotel waits.
-    assert move == Compensate(((1, "release_flight_hold", {"ref": "ref-1"}),),
+    assert move == Compensate(((1, "release_flight_hold", {"ref": "ref-1"}, 1),),
                               "step trip-7:2 (book_hotel) is unknown, and the policy gives "
                               "up on unknowns")
     trip.compensate(move)
@@ -216,7 +234,7 @@ def test_an_unknown_step_is_undone_only_once_proven_done(proven: Outcome) -> Non
     trip.settle(hotel, proven, source=SettlementSource.LOOKUP)
     move = trip.decide()
     if proven is Outcome.DONE:
-        assert move == Compensate(((2, "cancel_hotel_booking", {"ref": "ref-2"}),), move.why)
+        assert move == Compensate(((2, "cancel_hotel_booking", {"ref": "ref-2"}, 1),), move.why)
         trip.compensate(move)
         trip.undo(2)
     else:
@@ -247,6 +265,96 @@ def test_an_undo_that_cannot_be_done_needs_attention() -> None:
     assert move.state is FinalState.NEEDS_ATTENTION
     assert "the undo of step trip-7:2 (cancel_hotel_booking) could not be done" in move.summary
     assert "waiting behind it: trip-7:1" in move.summary
+
+
+def test_an_undo_proven_to_have_done_nothing_is_sent_again_under_the_next_key() -> None:
+    # The hotel's cancellation got a 500 the provider saved: every retry with its key gets the
+    # same 500. A lookup past the provider's bound proves it did nothing, so the undo is
+    # intended again under a successor key, and the saga unwinds instead of stopping.
+    trip = Trip()
+    trip.run(trip.place("hold_flight"))
+    trip.run(trip.place("book_hotel"))
+    trip.run(trip.place("charge_customer"), Outcome.NOT_DONE)
+    trip.compensate(trip.decide())
+    trip.undo_proven_absent(2)
+    move = trip.decide()
+    assert move == Compensate(((2, "cancel_hotel_booking", {"ref": "ref-2"}, 2),), move.why)
+    trip.compensate(move)
+    trip.compensate(move)  # a zombie decider's copy: the first under each key is the undo
+    step = trip.state().steps[2]
+    assert step.compensation is not None
+    assert step.compensation.key == "trip-7:2:undo2"
+    assert [p.plan.key for p in step.past_undos] == ["trip-7:2:undo"]
+    [undo] = [e for e in effects_to_work(trip.state(), trip.s.now) if e.undo]
+    assert (undo.key, undo.generation, undo.state.attempts) == ("trip-7:2:undo2", 2, ())
+    assert isinstance(trip.decide(), Hold)
+    trip.undo(2)
+    trip.undo(1)
+    final = trip.decide()
+    assert isinstance(final, Finish)
+    assert final.state is FinalState.COMPENSATED, final
+
+
+def test_an_undo_gets_at_most_its_keys_then_needs_attention() -> None:
+    trip = Trip()
+    trip.run(trip.place("hold_flight"))
+    trip.run(trip.place("charge_customer"), Outcome.NOT_DONE)
+    trip.compensate(trip.decide())
+    for generation in range(2, UNDO_KEYS_MAX + 1):
+        trip.undo_proven_absent(1)
+        move = trip.decide()
+        assert isinstance(move, Compensate)
+        assert move.undos[0][3] == generation
+        trip.compensate(move)
+    trip.undo_proven_absent(1)
+    move = trip.decide()
+    assert isinstance(move, Finish)
+    assert move.state is FinalState.NEEDS_ATTENTION
+    keys = ", ".join(["trip-7:1:undo"] + [f"trip-7:1:undo{g}" for g in range(2, UNDO_KEYS_MAX + 1)])
+    assert (f"the undo of step trip-7:1 (release_flight_hold) could not be done under any of "
+            f"its keys ({keys}) (nothing found past the provider's bound)") in move.summary
+
+
+def test_a_successor_undo_key_is_taken_only_after_a_lookup_proved_the_last_did_nothing() -> None:
+    trip = Trip()
+    trip.run(trip.place("hold_flight"))
+    trip.run(trip.place("charge_customer"), Outcome.NOT_DONE)
+    trip.compensate(trip.decide())
+    # Unknown is not proof, and neither is the provider's refusal: no second key.
+    trip.log.append(trip.s.undo_attempted(1, 1))
+    trip.log.append(trip.s.undo_settled(1, Outcome.UNKNOWN, attempt=1))
+    early = trip.s.undo_intended(1, "release_flight_hold", generation=2)
+    trip.log.append(early)
+    state = trip.state()
+    assert state.steps[1].undo_generation == 1
+    assert [n.event for n in state.not_accepted] == [early]
+    trip.log.append(trip.s.undo_settled(1, Outcome.NOT_DONE, attempt=1))  # refused (call)
+    assert isinstance(trip.decide(), Finish)
+    assert trip.state().steps[1].undo_generation == 1
+
+
+def test_a_late_report_that_an_earlier_undo_key_did_happen_needs_a_person() -> None:
+    # Proven absent, sent again under :undo2, and then the provider reports the first after
+    # all: the undo may have happened twice. Kept on that key's undo, never on the latest.
+    trip = Trip()
+    trip.run(trip.place("hold_flight"))
+    trip.run(trip.place("charge_customer"), Outcome.NOT_DONE)
+    trip.compensate(trip.decide())
+    trip.undo_proven_absent(1)
+    trip.compensate(trip.decide())
+    trip.undo(1)
+    trip.log.append(trip.s.undo_settled(1, Outcome.DONE, source=SettlementSource.WEBHOOK,
+                                        generation=1, evidence={"ref": "rel-1"}))
+    state = trip.state()
+    step = state.steps[1]
+    assert step.undo.outcome is Outcome.DONE
+    assert not step.undo.needs_attention
+    assert step.past_undos[0].state.contradicted
+    assert state.needs_attention
+    move = trip.decide()
+    assert isinstance(move, Finish)
+    assert move.state is FinalState.NEEDS_ATTENTION
+    assert "under trip-7:1:undo, proven not done before trip-7:1:undo2 was sent" in move.summary
 
 
 def test_past_the_pivot_a_saga_only_goes_forward() -> None:
@@ -358,8 +466,10 @@ def test_undo_args_fill_in_args_and_result() -> None:
        st.randoms(use_true_random=False))
 def test_undos_happen_last_first_once_and_only_for_done_steps(
         outcomes: list[Outcome], proofs: list[Outcome], rng: Any) -> None:
-    """Whatever is proven in whatever order, with redelivered records and a zombie decider
-    writing undos twice: each done step is undone once, last first, and nothing else."""
+    """Whatever is proven in whatever order, with redelivered records, a zombie decider
+    writing undos twice, and undos whose key a provider poisoned with a saved 5xx (proven
+    absent, then sent again under the next key): each done step is undone once, last first,
+    and nothing else; or, once a step's keys are used up, the saga needs a person."""
     trip = Trip(TaskPolicy(saga=True, on_unknown=OnUnknown.COMPENSATE))
     for i, outcome in enumerate(outcomes):
         n = trip.place("hold_flight" if i % 2 == 0 else "book_hotel")
@@ -390,6 +500,8 @@ def test_undos_happen_last_first_once_and_only_for_done_steps(
         what, n = rng.choice(choices)
         if what == "prove":
             trip.settle(n, proofs[n - 1], source=SettlementSource.LOOKUP)
+        elif rng.random() < 0.25:
+            trip.undo_proven_absent(n)  # did nothing; its next key, if one is left
         else:
             trip.undo(n)
             undone.append(n)
@@ -397,5 +509,14 @@ def test_undos_happen_last_first_once_and_only_for_done_steps(
         pytest.fail("the saga never finished")
     state = trip.state()
     done = sorted((s.n for s in state.steps.values() if s.outcome is Outcome.DONE), reverse=True)
+    if move.state is FinalState.NEEDS_ATTENTION:  # a step's keys were all proven absent
+        stuck = [s for s in state.steps.values()
+                 if s.undo_generation == UNDO_KEYS_MAX and s.undo.outcome is Outcome.NOT_DONE]
+        assert len(stuck) == 1, move
+        assert "under any of its keys" in move.summary, move
+        assert undone == [n for n in done if n > stuck[0].n]
+        return
     assert undone == done  # every done step undone once, last first, and nothing else
+    for step in state.steps.values():  # under one key each, the undos before it did nothing
+        assert all(p.state.outcome is Outcome.NOT_DONE for p in step.past_undos)
     assert move.state is (FinalState.COMPENSATED if done else FinalState.FAILED)

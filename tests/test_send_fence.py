@@ -103,3 +103,27 @@ def test_a_not_done_about_the_attempts_up_to_j_is_void_after_a_later_attempt() -
     covered = [*log[:-1], s.settled(1, Outcome.NOT_DONE, attempt=2,
                                     source=SettlementSource.LOOKUP)]
     assert fold(covered).step(1).effect.outcome is Outcome.NOT_DONE
+
+
+def test_a_late_attempt_under_an_undo_key_that_was_replaced_never_goes_out() -> None:
+    """A paused executor journals a retry of the undo under its first key after a lookup
+    proved that key did nothing and the undo was intended again under :undo2: the retry is
+    kept with the first key's undo, and it never goes out (its key is not the undo's now)."""
+    s = Stamper("fence-3")
+    log: list[Event] = [
+        s.started(), s.intended(1), s.attempted(1, 1),
+        s.settled(1, Outcome.DONE, attempt=1), s.aborted(),
+        s.undo_intended(1), s.undo_attempted(1, 1),
+        s.undo_settled(1, Outcome.UNKNOWN, attempt=1),
+        s.undo_settled(1, Outcome.NOT_DONE, attempt=1, source=SettlementSource.LOOKUP)]
+    (stale,) = [e for e in effects_to_work(fold(log), log[-1].at) if e.undo]
+    log += [s.undo_intended(1, generation=2), s.undo_attempted(1, 2)]
+    step = fold(log).step(1)
+    assert [a.attempt for a in step.past_undos[0].state.attempts] == [1, 2]
+    assert step.undo.attempts == ()
+    assert why_not_send(fold(log), stale, log[-1]) == (  # type: ignore[arg-type]
+        "the undo is intended under another key than fence-3:1:undo now", False)
+    (latest,) = [e for e in effects_to_work(fold(log), log[-1].at) if e.undo]
+    assert (latest.key, latest.generation) == ("fence-3:1:undo2", 2)
+    log.append(s.undo_attempted(1, 1, generation=2))
+    assert why_not_send(fold(log), latest, log[-1]) is None  # type: ignore[arg-type]

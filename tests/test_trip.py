@@ -158,6 +158,37 @@ async def test_an_executor_killed_while_compensating_leaves_every_undo_done_once
         ("CompensationAttempted", f"{task_id}:1"))
 
 
+async def test_an_undo_whose_key_holds_a_saved_500_is_sent_again_under_its_next_key(
+        trip: Cluster) -> None:
+    c = trip
+    task_id = new_id("trip-saved")
+    # The card is declined at the pivot: the hotel and the flight are undone. The hotel's
+    # cancellation meets a 500 the provider saves under the key before doing anything, and
+    # replays to every retry with it. Past the provider's bound (1 s here) a lookup that
+    # finds nothing proves the cancellation did nothing, so it goes again under :undo2.
+    await c.trip_faults({"match": {"endpoint": "hotels.cancel"}, "times": 1,
+                         "action": {"status": 500, "when": "before_commit"}})
+    for name in ("decider", "executor", "reconciler"):
+        await c.start(name, HALFWAY_TRAVEL_COMPLETES_WITHIN_S="1")
+    await c.publish(trip_request(task_id, customer="cus_declined"))
+    state = (await c.journal.until_finished([task_id]))[task_id]
+
+    assert state.final_state is FinalState.COMPENSATED, state.finished
+    hotel = state.steps[2]
+    assert hotel.undo_keys == (f"{task_id}:2:undo", f"{task_id}:2:undo2")
+    [first] = hotel.past_undos
+    assert first.state.outcome is Outcome.NOT_DONE, first.state.settlement
+    assert first.state.unknowns[-1].replayed  # the retry with the key got the saved 500
+    assert hotel.undo.outcome is Outcome.DONE
+    assert state.steps[1].undo_keys == (f"{task_id}:1:undo",)
+    assert state.steps[1].undo.outcome is Outcome.DONE
+    done = await effects(c, task_id)
+    assert [h["status"] for h in done["bookings"][0]["history"]] == ["confirmed", "cancelled"]
+    assert statuses(done["holds"]) == ["released"]
+    assert statuses(done["charges"]) == ["failed"]
+    assert done["emails"] == []
+
+
 async def test_an_unknown_step_is_undone_once_proven_done_and_not_if_proven_not_done(
         trip: Cluster) -> None:
     # Both bookings take 2 s at the provider, past the 1 s timeout: unknown. The saga gives up

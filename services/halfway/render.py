@@ -24,8 +24,11 @@ def undo_line(step: StepState) -> str | None:
     if plan is None:
         return None
     what = (f"undo of {intent.tool} {intent.subject or ''}".strip()
-            + f" by {plan.tool} (reference {plan.key})")
-    return effect_line(step.undo, what, unknown_advice="do not undo it another way")
+            + f" by {plan.tool} (reference {plan.key}")
+    if step.past_undos:
+        earlier = ", ".join(p.plan.key for p in step.past_undos)
+        what += f"; sent again under a new reference: {earlier} proven to have done nothing"
+    return effect_line(step.undo, what + ")", unknown_advice="do not undo it another way")
 
 
 def effect_line(effect: EffectState, what: str, *, unknown_advice: str) -> str:
@@ -59,6 +62,12 @@ def attention_words(state: TaskState) -> str | None:
         if step.compensation is not None and step.undo.needs_attention:
             parts.append(f"the undo of step {step.step_id} (reference {step.compensation.key}): "
                          f"{step.undo.attention_why}")
+        for past in step.past_undos:
+            if past.state.needs_attention:
+                parts.append(f"the undo of step {step.step_id} under reference "
+                             f"{past.plan.key}, proven to have done nothing before it was "
+                             f"sent again: {past.state.attention_why}; it may have happened "
+                             f"twice")
     return "; ".join(parts) if parts else None
 
 

@@ -31,7 +31,9 @@ from pydantic import (
     ConfigDict,
     Field,
     JsonValue,
+    SerializerFunctionWrapHandler,
     TypeAdapter,
+    model_serializer,
     model_validator,
 )
 
@@ -40,9 +42,11 @@ from halfway.contract.ids import (
     STEP_ID_PATTERN,
     STEP_N_MAX,
     TASK_ID_PATTERN,
+    UNDO_KEYS_MAX,
     mint_key,
     mint_undo_key,
     parse_step_id,
+    parse_undo_key,
 )
 
 SCHEMA_VERSION = 1
@@ -389,27 +393,53 @@ class ClaimWithdrawn(_StepEvent):
     reason: str = Field(min_length=1)
 
 
-class CompensationIntended(_StepEvent):
-    """The undo of a done step; `step_id` names the step being undone."""
+def _generation() -> Any:
+    return Field(1, ge=1, le=UNDO_KEYS_MAX,
+                 description="Which of the step's undo keys this is about: 1 for the first "
+                             "(`{step_id}:undo`), g for the successor `{step_id}:undo{g}`, "
+                             "intended only once the one before was proven not done. Absent "
+                             "means 1.")
+
+
+class _UndoKeyed:
+    """Written without `generation` when it is 1: an undo under its first key is the same
+    record as before successor keys existed (older readers, and other languages, refuse
+    unknown fields)."""
+
+    @model_serializer(mode="wrap")
+    def _first_key_unsaid(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if out.get("generation") == 1:
+            del out["generation"]
+        return out
+
+
+class CompensationIntended(_UndoKeyed, _StepEvent):
+    """The undo of a done step; `step_id` names the step being undone. A successor (a
+    `generation` past 1) is the same undo under a new key, after the one before it was proven
+    not done by a lookup (`halfway.contract.ids`)."""
 
     type: Literal["compensation.intended"] = "compensation.intended"
     tool: str = Field(min_length=1)
     args: JsonObject = Field(default_factory=dict)
     key: Key
+    generation: int = _generation()
 
     @model_validator(mode="after")
     def _key_is_the_undo_key(self) -> Self:
-        if self.key != mint_undo_key(self.step_id):
-            raise ValueError(f"key {self.key!r} is not the undo key of step {self.step_id}")
+        if self.key != mint_undo_key(self.step_id, self.generation):
+            raise ValueError(f"key {self.key!r} is not undo key {self.generation} of step "
+                             f"{self.step_id}")
         return self
 
 
-class CompensationChecked(_StepEvent):
+class CompensationChecked(_UndoKeyed, _StepEvent):
     """A lookup of an undo that found nothing yet (like `step.checked`, for the compensation)."""
 
     type: Literal["compensation.checked"] = "compensation.checked"
     found: str = Field("nothing", description="What the check found, in words.")
     next_check_at: AwareDatetime | None = Field(None, description="None: no further check planned.")
+    generation: int = _generation()
 
 
 class CompensationAttempted(_StepEvent):
@@ -419,14 +449,22 @@ class CompensationAttempted(_StepEvent):
     started_at: AwareDatetime
 
     @model_validator(mode="after")
-    def _key_is_the_undo_key(self) -> Self:
-        if self.key != mint_undo_key(self.step_id):
-            raise ValueError(f"key {self.key!r} is not the undo key of step {self.step_id}")
+    def _key_is_an_undo_key(self) -> Self:
+        undo = parse_undo_key(self.key)
+        if undo is None or undo[0] != self.step_id:
+            raise ValueError(f"key {self.key!r} is not an undo key of step {self.step_id}")
         return self
 
+    @property
+    def generation(self) -> int:
+        undo = parse_undo_key(self.key)
+        assert undo is not None  # the validator saw to it
+        return undo[1]
 
-class CompensationSettled(_Settlement):
+
+class CompensationSettled(_UndoKeyed, _Settlement):
     type: Literal["compensation.settled"] = "compensation.settled"
+    generation: int = _generation()
 
 
 class TaskAborted(_Event):

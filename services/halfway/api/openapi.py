@@ -118,7 +118,9 @@ SCHEMAS: dict[str, Any] = {
     },
     "Compensation": {
         "type": "object",
-        "description": "The undo of a step, an effect of its own (key `{step_id}:undo`).",
+        "description": "The undo of a step, an effect of its own (key `{step_id}:undo`; "
+                       "`{step_id}:undo2`, `:undo3` once a lookup proved the key before did "
+                       "nothing).",
         "properties": {
             "tool": {"type": "string"}, "args": {"type": "object"},
             "key": {"type": "string", "pattern": KEY_PATTERN},

@@ -110,9 +110,10 @@ class Abort:
 
 @dataclass(frozen=True, slots=True)
 class Compensate:
-    """Journal `compensation.intended` for these steps, in this order: (n, tool, args)."""
+    """Journal `compensation.intended` for these steps, in this order: (n, tool, args, and
+    which of the step's undo keys: 1, or a successor's)."""
 
-    undos: tuple[tuple[int, str, dict[str, Any]], ...]
+    undos: tuple[tuple[int, str, dict[str, Any], int], ...]
     why: str
 
 
@@ -272,8 +273,12 @@ def _undo(state: TaskState, why: str) -> TaskMove:
                           f"{why}; step {step.step_id} ({step.intent.tool}): "
                           f"{step.effect.attention_why}: an operator must say whether it "
                           f"happened, then undo it and the steps before it")
-    undos: list[tuple[int, str, dict[str, Any]]] = []
+    undos: list[tuple[int, str, dict[str, Any], int]] = []
     for step in saga.undo_plan(state):
+        if step.compensation is not None:  # the same undo again, under its next key
+            again = step.compensation
+            undos.append((step.n, again.tool, dict(again.args), again.generation + 1))
+            continue
         plan, settlement = step.intent.compensation, step.effect.settlement
         assert settlement is not None
         args = None if plan is None else saga.undo_args(plan, dict(step.intent.args),
@@ -283,19 +288,25 @@ def _undo(state: TaskState, why: str) -> TaskMove:
             return Finish(FinalState.NEEDS_ATTENTION,
                           f"{why}; step {step.step_id} ({step.intent.tool}) is done but cannot "
                           f"be undone: {cause}")
-        undos.append((step.n, plan.tool, args))
+        undos.append((step.n, plan.tool, args, 1))
     if undos:
         return Compensate(tuple(undos), why)
     for step in steps:
         undo = step.undo
         if step.compensation is not None and (undo.outcome is Outcome.NOT_DONE
-                                              or undo.needs_attention):
+                                              or step.undo_needs_attention):
             reason = undo.settlement.reason if undo.settlement else None
             if undo.needs_attention and undo.last_check is not None:
                 reason = undo.last_check.found
+            elif not undo.needs_attention and step.undo_needs_attention:
+                past = next(p for p in step.past_undos if p.state.needs_attention)
+                reason = (f"under {past.plan.key}, proven not done before "
+                          f"{step.compensation.key} was sent: {past.state.attention_why}")
+            keys = (f" under any of its keys ({', '.join(step.undo_keys)})"
+                    if step.past_undos else "")
             return Finish(FinalState.NEEDS_ATTENTION,
                           f"{why}; the undo of step {step.step_id} ({step.compensation.tool}) "
-                          f"could not be done ({reason}): an operator must undo it"
+                          f"could not be done{keys} ({reason}): an operator must undo it"
                           + _remaining(state, step.n))
     for step in steps:
         if step.status in saga.UNSETTLED:

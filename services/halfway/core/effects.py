@@ -1,7 +1,8 @@
 """effects: the effects the harness performs, steps and undos alike. Pure.
 
-A compensation is a keyed effect of its own (`{task}:{n}:undo`), attempted, timed out, looked
-up and reconciled exactly like a step: the same `EffectState` in the fold, the same
+A compensation is a keyed effect of its own (`{task}:{n}:undo`, or a successor key once a
+lookup proved the last one did nothing), attempted, timed out, looked up and reconciled
+exactly like a step: the same `EffectState` in the fold, the same
 `next_action`. Only the events that record it differ (`compensation.*` instead of `step.*`).
 `Effect` is that difference in one place, so the executor and the reconciler have one code
 path for both.
@@ -48,11 +49,12 @@ class Effect:
     called_off: str | None = None
     intent_id: str | None = None  # a step's: the decision its attempts carry out
     must_happen: bool = False  # an undo, or a saga's retriable step (module docstring)
+    generation: int = 1  # an undo's: which of the step's undo keys `key` is
 
     @property
     def move_id(self) -> str:
         """Names the move in flight for this effect (at most one at a time)."""
-        return f"{self.step_id}:undo" if self.undo else self.step_id
+        return self.key if self.undo else self.step_id
 
     def attempted(self, stamp: dict[str, Any], attempt: int,
                   started_at: datetime) -> StepAttempted | CompensationAttempted:
@@ -63,13 +65,18 @@ class Effect:
                              started_at=started_at, intent_id=self.intent_id)
 
     def settled(self, stamp: dict[str, Any], **fields: Any) -> StepSettled | CompensationSettled:
-        kind = CompensationSettled if self.undo else StepSettled
-        return kind(**stamp, step_id=self.step_id, **fields)
+        if self.undo:
+            return CompensationSettled(**stamp, step_id=self.step_id,
+                                       generation=self.generation, **fields)
+        return StepSettled(**stamp, step_id=self.step_id, **fields)
 
     def checked(self, stamp: dict[str, Any], found: str,
                 next_check_at: datetime | None) -> StepChecked | CompensationChecked:
-        kind = CompensationChecked if self.undo else StepChecked
-        return kind(**stamp, step_id=self.step_id, found=found, next_check_at=next_check_at)
+        if self.undo:
+            return CompensationChecked(**stamp, step_id=self.step_id, found=found,
+                                       next_check_at=next_check_at, generation=self.generation)
+        return StepChecked(**stamp, step_id=self.step_id, found=found,
+                           next_check_at=next_check_at)
 
 
 def effects_to_work(state: TaskState, now: datetime) -> list[Effect]:
@@ -86,7 +93,8 @@ def effects_to_work(state: TaskState, now: datetime) -> list[Effect]:
         plan = step.compensation
         if plan is not None and saga.undo_may_run(state, step):
             out.append(Effect(True, intent.task_id, step.step_id, plan.tool, plan.args,
-                              plan.key, step.undo, must_happen=True))
+                              plan.key, step.undo, must_happen=True,
+                              generation=plan.generation))
     return out
 
 
@@ -109,6 +117,8 @@ def why_not_send(state: TaskState | None, effect: Effect, attempted: Attempt,
     step = None if state is None else state.step(n)
     if placed_intent is not None and (step is None or step.intent.event_id != placed_intent):
         return "the log did not take the decision journaled with it", False
+    if effect.undo and step is not None and step.undo_generation != effect.generation:
+        return f"the undo is intended under another key than {effect.key} now", False
     known = None if step is None else (step.undo if effect.undo else step.effect)
     first = next((a for a in (known.attempts if known else ())
                   if a.attempt == attempted.attempt), None)

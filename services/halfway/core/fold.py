@@ -34,6 +34,15 @@ topic, so no other task can hold the subject while that step could still be acce
 same for a `compensation.intended` after the task finished or for a step that is not done.
 Refused decisions are kept in `not_accepted`, with why, and never executed.
 
+Undo keys: the first `compensation.intended` of a step is its undo (rule 2), with one
+exception. An undo whose key a lookup proved did nothing (`not_done`, source `lookup`, no
+effect named) is intended again under the step's next undo key (`halfway.contract.ids`, at
+most UNDO_KEYS_MAX): a provider that saved a 5xx under a key answers every retry with it the
+same way, and an undo must happen. `successor_due` says when; the fold accepts a successor of
+exactly the next generation then, and keeps the earlier undos in `past_undos`. Events about an
+earlier key apply to that undo: a late report that it did happen after all is a contradiction
+there (the undo may have happened twice), and the task needs an operator.
+
 What no honest writer journals is not applied either (a forgery from inside the journal's trust
 boundary, halfway.journal.acls, or a bug): a `step.intended` of a task that never started (the
 decider journals `task.started` before any decision), and a settlement of a step not decided
@@ -54,7 +63,7 @@ unknown case, and the executor must look it up before anything else), `done`, `n
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from types import MappingProxyType
@@ -83,7 +92,7 @@ from halfway.contract.events import (
     TaskRequested,
     TaskStarted,
 )
-from halfway.contract.ids import parse_step_id
+from halfway.contract.ids import UNDO_KEYS_MAX, parse_step_id
 
 _T = TypeVar("_T")
 _FIELDS: dict[type, tuple[str, ...]] = {}
@@ -247,14 +256,41 @@ class EffectState:
 
 
 @dataclass(frozen=True, slots=True)
+class PastUndo:
+    """An undo under an earlier key, proven not done before its successor was intended."""
+
+    plan: CompensationIntended
+    state: EffectState
+
+
+@dataclass(frozen=True, slots=True)
 class StepState:
     intent: StepIntended
     effect: EffectState = EffectState()
-    compensation: CompensationIntended | None = None
+    compensation: CompensationIntended | None = None  # the undo, under its latest key
     undo: EffectState = EffectState()
     # The last executor that met this step (or its undo) without its tool: shown while the
     # effect waits for one that serves it.
     unserved: StepUnserved | None = None
+    past_undos: tuple[PastUndo, ...] = ()  # earlier undo keys, oldest first
+
+    @property
+    def undo_keys(self) -> tuple[str, ...]:
+        """Every key the step's undo was intended under, oldest first."""
+        latest = () if self.compensation is None else (self.compensation.key,)
+        return (*(p.plan.key for p in self.past_undos), *latest)
+
+    @property
+    def undo_generation(self) -> int:
+        """Which undo key is the step's latest (0: no undo intended)."""
+        return 0 if self.compensation is None else self.compensation.generation
+
+    @property
+    def undo_needs_attention(self) -> bool:
+        """The undo needs a person: under its latest key, or a report contradicts the proof
+        that an earlier key did nothing (then the undo may have happened twice)."""
+        return self.undo.needs_attention or any(p.state.needs_attention
+                                                for p in self.past_undos)
 
     @property
     def step_id(self) -> str:
@@ -342,7 +378,7 @@ class TaskState:
 
     @property
     def needs_attention(self) -> bool:
-        return any(step.effect.needs_attention or step.undo.needs_attention
+        return any(step.effect.needs_attention or step.undo_needs_attention
                    for step in self.steps.values())
 
     @property
@@ -461,8 +497,18 @@ def _take(state: TaskState, event: Event) -> TaskState:
         case CompensationIntended():
             _, n = parse_step_id(event.step_id)
             step = state.steps.get(n)
-            if step is not None and step.compensation is not None:
-                return state  # rule 2: the first undo of a step is its undo
+            generation = 0 if step is None else step.undo_generation
+            if step is not None and step.compensation is not None and (
+                    event.generation <= generation):
+                return state  # rule 2: the first undo under each key is the undo
+            if event.generation != generation + 1:
+                return _not_accepted(state, event, f"undo key {event.generation} of step "
+                                     f"{event.step_id} comes before key {generation + 1}")
+            if step is not None and generation and not successor_due(step):
+                return _not_accepted(state, event, f"the undo of step {event.step_id} under "
+                                     f"{step.compensation.key} was not proven to have done "
+                                     f"nothing ({step.undo.status}), so no other key may "
+                                     f"undo it")
             if state.finished is not None:
                 return _not_accepted(state, event, f"written after the task finished "
                                      f"({state.finished.state}) by a stale decider")
@@ -531,17 +577,44 @@ def _step_with(step: StepState, event: StepEvent) -> StepState:
         case StepChecked():
             return replace(step, effect=step.effect.with_check(event))
         case CompensationIntended():
-            if step.compensation is not None:
+            if step.compensation is None:
+                return replace(step, compensation=event)
+            if event.generation != step.compensation.generation + 1:
                 return step
-            return replace(step, compensation=event)
+            past = (*step.past_undos, PastUndo(step.compensation, step.undo))
+            return replace(step, compensation=event, undo=EffectState(), past_undos=past)
         case CompensationAttempted():
-            return replace(step, undo=step.undo.with_attempt(event))
+            return _with_undo(step, event.generation, lambda u: u.with_attempt(event))
         case CompensationSettled():
-            return replace(step, undo=step.undo.with_settlement(event))
+            return _with_undo(step, event.generation, lambda u: u.with_settlement(event))
         case CompensationChecked():
-            return replace(step, undo=step.undo.with_check(event))
+            return _with_undo(step, event.generation, lambda u: u.with_check(event))
         case _:
             assert_never(event)
+
+
+def _with_undo(step: StepState, generation: int,
+               change: Callable[[EffectState], EffectState]) -> StepState:
+    """`change` the step's undo under key `generation`: its latest, or an earlier one (an
+    event about a key not intended yet changes the latest: an orphan's fate, as before)."""
+    for i, past in enumerate(step.past_undos):
+        if past.plan.generation == generation:
+            undos = list(step.past_undos)
+            undos[i] = replace(past, state=change(past.state))
+            return replace(step, past_undos=tuple(undos))
+    return replace(step, undo=change(step.undo))
+
+
+def successor_due(step: StepState) -> bool:
+    """Whether the step's undo is to be intended again under its next key: a lookup proved
+    that nothing happened under the latest one (`not_done` from a lookup that names no
+    effect, so not the provider's refusal and not its record of a failure), no report
+    contradicts that, and a key is left. The proof rests on the tool's `completes_within_s`:
+    every request under the key has finished, so the old key can never take effect later."""
+    plan, settled = step.compensation, step.undo.settlement
+    return (plan is not None and plan.generation < UNDO_KEYS_MAX and settled is not None
+            and settled.outcome is Outcome.NOT_DONE and settled.source is SettlementSource.LOOKUP
+            and settled.effect_id is None and not step.undo_needs_attention)
 
 
 def _adopt_orphans(state: TaskState, n: int) -> TaskState:

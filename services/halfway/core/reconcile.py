@@ -3,7 +3,8 @@
 Theory of operation
 -------------------
 A webhook names a provider object (a charge) and carries our key in the object's metadata, so
-it matches one step (key `{task}:{n}`) or one compensation (`{task}:{n}:undo`). The tool's
+it matches one step (key `{task}:{n}`) or one compensation (`{task}:{n}:undo`, or a successor
+key `:undo2`: news of an earlier undo key is weighed against that undo's proof). The tool's
 adapter reads it into a `WebhookReport`: the outcome it states (`done`, or `not_done` for a
 failed object), the object's id, the evidence, and whether the object matches what the step
 asked for (amount, currency, customer). For a tool with no reader of its own, the report is what

@@ -17,7 +17,8 @@ A saga fails while its pivot is not done: a step ends `not_done`, the deadline p
 off in the journal (`task.aborted` by halfway, with the reason), so the decision sticks when
 the cause goes away (the unknown step is proven done); a caller or operator may abort it too.
 From then on no step is decided; `undo_plan` names the done steps whose undo must be
-journaled, and the executor runs the undos in reverse order (`undo_may_run`): the undo of
+journaled (again, under the next key, once a lookup proved the last key did nothing), and the
+executor runs the undos in reverse order (`undo_may_run`): the undo of
 step k only once every later step is proven not done or undone. A step still unknown is
 undone only once it is proven done; one proven not done needs no undo. Once the pivot is done
 the saga only goes forward; one that cannot (a step after the pivot ends `not_done` and the
@@ -32,7 +33,7 @@ from datetime import datetime
 from typing import Any
 
 from halfway.contract import CompensationPlan, OnUnknown, Outcome, SagaRole
-from halfway.core.fold import StepState, StepStatus, TaskState
+from halfway.core.fold import StepState, StepStatus, TaskState, successor_due
 
 UNSETTLED = (StepStatus.INTENDED, StepStatus.IN_FLIGHT, StepStatus.UNKNOWN)
 
@@ -119,9 +120,11 @@ def failure(state: TaskState, now: datetime) -> str | None:
 
 
 def undo_plan(state: TaskState) -> list[StepState]:
-    """Done steps whose undo is not journaled yet, last step first."""
+    """Done steps whose undo is to be journaled, last step first: not journaled yet, or to
+    be journaled again under its next key (`fold.successor_due`: a lookup proved the latest
+    key did nothing, as when the provider saved a 5xx under it and replays it to every retry)."""
     return [s for s in sorted(state.steps.values(), key=lambda s: -s.n)
-            if s.outcome is Outcome.DONE and s.compensation is None]
+            if s.outcome is Outcome.DONE and (s.compensation is None or successor_due(s))]
 
 
 def undo_may_run(state: TaskState, step: StepState) -> bool:

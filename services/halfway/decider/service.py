@@ -248,11 +248,11 @@ class Decider:
                 await self._write(TaskAborted(**stamp(task_id), reason=reason, by=saga.HARNESS))
                 self._log.info("the saga failed; it is called off", reason=reason)
             case Compensate(undos=undos, why=why):
-                for n, tool, args in undos:  # last step first
+                for n, tool, args, generation in undos:  # last step first
                     sid = step_id(task_id, n)
                     await self._write(CompensationIntended(
                         **stamp(task_id), step_id=sid, tool=tool, args=args,
-                        key=mint_undo_key(sid)))
+                        key=mint_undo_key(sid, generation), generation=generation))
                 self._log.info("undoing the saga", why=why, steps=[n for n, *_ in undos])
             case Finish(state=final, summary=summary):
                 await self._write(TaskFinished(**stamp(task_id), state=final, summary=summary))

@@ -60,7 +60,7 @@ from pydantic import ValidationError
 from structlog.typing import FilteringBoundLogger
 
 from halfway import log
-from halfway.contract.ids import KEY_PATTERN, UNDO_SUFFIX, parse_step_id
+from halfway.contract.ids import KEY_PATTERN, parse_step_id, step_of_key
 from halfway.contract.topics import JOURNAL, WEBHOOKS
 from halfway.contract.webhooks import WebhookReceived
 from halfway.journal import JournalWriter
@@ -232,7 +232,7 @@ def _task_of(key: Any) -> tuple[str | None, str | None]:
     mistake it for ours."""
     if not isinstance(key, str) or _KEY.fullmatch(key) is None:
         return None, None
-    task_id, _ = parse_step_id(key.removesuffix(UNDO_SUFFIX))
+    task_id, _ = parse_step_id(step_of_key(key))
     return key, task_id
 
 

@@ -640,9 +640,8 @@ class JournalFollower:
             self._weighable.pop(task_id, None)
             self._failures.pop(task_id, None)
             for step in state.steps.values():
-                self.first_attempt.pop(step.intent.key, None)
-                if step.compensation is not None:
-                    self.first_attempt.pop(step.compensation.key, None)
+                for key in (step.intent.key, *step.undo_keys):
+                    self.first_attempt.pop(key, None)
 
     def _quiet_due(self, number: int, now: datetime) -> None:
         """Keep the tasks of journal partition `number` that ended DORMANT_AFTER_S before
@@ -863,9 +862,8 @@ class JournalFollower:
                 self._history.pop(task_id, None)
                 self._weighable.pop(task_id, None)
                 for step in (state.steps.values() if state is not None else ()):
-                    self.first_attempt.pop(step.intent.key, None)
-                    if step.compensation is not None:
-                        self.first_attempt.pop(step.compensation.key, None)
+                    for key in (step.intent.key, *step.undo_keys):
+                        self.first_attempt.pop(key, None)
                 self._awaiting.pop(task_id, None)
                 self._ended_last.pop(task_id, None)
                 self._dirty.discard(task_id)

@@ -187,7 +187,7 @@ def compensation_rows(state: TaskState) -> list[Row]:
             "updated_at": _latest(_effect_times(undo, plan.at)),
             "last_check": None if check is None else check.found,
             "next_check_at": check.next_check_at if open_ and check is not None else None,
-            "needs_attention": undo.needs_attention,
+            "needs_attention": step.undo_needs_attention,
         })
     return out
 

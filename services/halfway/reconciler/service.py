@@ -34,7 +34,7 @@ from aiokafka.structs import ConsumerRecord
 from halfway import log, tracing
 from halfway import settings as env
 from halfway.contract import Event, Outcome, SettlementSource, parse_step_id
-from halfway.contract.ids import UNDO_SUFFIX
+from halfway.contract.ids import parse_undo_key
 from halfway.contract.topics import WEBHOOKS
 from halfway.core.args import parse_args
 from halfway.core.effects import Effect, effects_to_work
@@ -269,22 +269,29 @@ class Reconciler(StepWorker):
 
 
 def _effect_named(state: TaskState | None, key: str | None) -> Effect | None:
-    """The effect (a step, or a step's undo) our key names in the task, if it is in the log."""
+    """The effect (a step, or a step's undo under one of its keys) our key names in the task,
+    if it is in the log."""
     if state is None or key is None:
         return None
-    undo = key.endswith(UNDO_SUFFIX)
+    undo = parse_undo_key(key)
     try:
-        _, n = parse_step_id(key.removesuffix(UNDO_SUFFIX))
+        _, n = parse_step_id(key if undo is None else undo[0])
     except ValueError:
         return None
     step = state.steps.get(n)
     if step is None:
         return None
     intent = step.intent
-    if not undo:
+    if undo is None:
         return Effect(False, intent.task_id, step.step_id, intent.tool, intent.args,
                       intent.key, step.effect)
-    plan = step.compensation
-    if plan is None:
-        return None
-    return Effect(True, intent.task_id, step.step_id, plan.tool, plan.args, plan.key, step.undo)
+    # The latest undo, or one under an earlier key: news of that one is weighed against
+    # its proof of absence (a `done` contradicts it: the undo may have happened twice).
+    undos = [(p.plan, p.state) for p in step.past_undos]
+    if step.compensation is not None:
+        undos.append((step.compensation, step.undo))
+    for plan, effect in undos:
+        if plan.key == key:
+            return Effect(True, intent.task_id, step.step_id, plan.tool, plan.args, plan.key,
+                          effect, generation=plan.generation)
+    return None
