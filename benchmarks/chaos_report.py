@@ -17,7 +17,7 @@ from typing import Any
 
 from benchmarks.chaos_oracle import Verdict, charge_invoice, charge_key, reason_group
 
-from halfway.contract import Event, StepSettled
+from halfway.contract import CompensationIntended, CompensationSettled, Event, StepSettled
 
 FINDINGS_SHOWN = 10  # per category, printed; all of them are in findings.txt
 LOG_LINES_PER_TASK = 40  # service log lines quoted per finding in findings.txt
@@ -102,17 +102,25 @@ def webhook_counts(log: dict[str, Any]) -> dict[str, Any]:
 
 def settlement_counts(events: Iterable[Event]) -> dict[str, Any]:
     """Step settlements by source and outcome, why steps were settled not_done and unknown
-    (grouped, the most frequent first), and the attempts refused a connection."""
+    (grouped, the most frequent first), and the attempts refused a connection; undo
+    settlements by source and outcome, and the undos intended again under a successor key."""
     by: Counter[str] = Counter()
+    undos: Counter[str] = Counter()
     why: dict[str, Counter[str]] = {"not_done": Counter(), "unknown": Counter()}
-    refused = 0
+    refused = successors = 0
     for e in events:
-        if isinstance(e, StepSettled):
+        if isinstance(e, CompensationSettled):
+            undos[f"{e.source}/{e.outcome}"] += 1
+        elif isinstance(e, CompensationIntended):
+            successors += e.generation > 1
+        elif isinstance(e, StepSettled):
             by[f"{e.source}/{e.outcome}"] += 1
             refused += REFUSED_MARK in (e.reason or "")
             if str(e.outcome) in why:
                 why[str(e.outcome)][reason_group(e.reason or "")] += 1
     return {"by_source_outcome": dict(sorted(by.items())), "connection_refused": refused,
+            "undos_by_source_outcome": dict(sorted(undos.items())),
+            "undos_sent_again": successors,
             **{f"{outcome}_reasons": dict(counts.most_common(REASONS_SHOWN))
                for outcome, counts in why.items()}}
 
@@ -259,6 +267,9 @@ def render(report: Report) -> str:
         f"settlements      {j['settlements']['by_source_outcome']}",
         f"  not_done why   {j['settlements']['not_done_reasons']}",
         f"  unknown why    {j['settlements']['unknown_reasons']}",
+        f"undo settlements {j['settlements']['undos_by_source_outcome']}; undos sent again "
+        f"under a new key (the last proven to have done nothing): "
+        f"{j['settlements']['undos_sent_again']}",
         f"kills            {j['kills']}  broker kills {j['broker_kills']} "
         f"(down {j['broker_down_s']} s)",
         f"pauses           {j['pauses']}",

@@ -25,7 +25,7 @@ from benchmarks.chaos_oracle import (
     percentile,
     reason_group,
 )
-from benchmarks.chaos_report import render
+from benchmarks.chaos_report import render, settlement_counts
 
 from halfway.contract import FinalState, Outcome, SettlementSource, SubjectHeld
 from halfway.core.fold import TaskState, fold
@@ -293,6 +293,20 @@ def test_an_undo_sent_again_under_its_next_key_is_judged_under_each_key(
     assert [f.what for f in verdict.wrong] == ([
         "t-y:1: its undo under t-y:1:undo is not_done in the journal, but that key undid "
         "hold h_1"] if first_key_undid else [])
+
+
+def test_the_report_counts_undo_settlements_and_undos_sent_again_under_a_new_key() -> None:
+    s = Stamper("t-z")
+    counts = settlement_counts([
+        s.undo_intended(1), s.undo_settled(1, Outcome.UNKNOWN, attempt=1, replayed=True),
+        s.undo_settled(1, Outcome.NOT_DONE, attempt=1, source=SettlementSource.LOOKUP,
+                       reason="nothing found"),
+        s.undo_intended(1, generation=2), s.undo_settled(1, Outcome.DONE, generation=2),
+        s.settled(2, Outcome.DONE)])
+    assert counts["undos_by_source_outcome"] == {"call/done": 1, "call/unknown": 1,
+                                                 "lookup/not_done": 1}
+    assert counts["undos_sent_again"] == 1
+    assert counts["by_source_outcome"] == {"call/done": 1}
 
 
 # --- a small run against real processes ----------------------------------------------------------
