@@ -125,6 +125,17 @@ class Trip:
                                             reason="nothing found past the provider's bound"))
 
 
+def undoing(*done: str) -> Trip:
+    """A trip whose `done` steps were done and whose charge was declined: being undone, its
+    undos journaled."""
+    trip = Trip()
+    for tool in done:
+        trip.run(trip.place(tool))
+    trip.run(trip.place("charge_customer"), Outcome.NOT_DONE)
+    trip.compensate(trip.decide())
+    return trip
+
+
 def refusal(trip: Trip, tool: str) -> str:
     state = trip.state()
     out = accept_call(state, state.next_step_n, BY_NAME[tool], tool, {"ref": "x"})
@@ -254,11 +265,7 @@ def test_with_on_unknown_wait_a_saga_holds_on_an_unknown_step() -> None:
 
 
 def test_an_undo_that_cannot_be_done_needs_attention() -> None:
-    trip = Trip()
-    trip.run(trip.place("hold_flight"))
-    trip.run(trip.place("book_hotel"))
-    trip.run(trip.place("charge_customer"), Outcome.NOT_DONE)
-    trip.compensate(trip.decide())
+    trip = undoing("hold_flight", "book_hotel")
     trip.undo(2, Outcome.NOT_DONE)
     move = trip.decide()
     assert isinstance(move, Finish)
@@ -271,11 +278,7 @@ def test_an_undo_proven_to_have_done_nothing_is_sent_again_under_the_next_key() 
     # The hotel's cancellation got a 500 the provider saved: every retry with its key gets the
     # same 500. A lookup past the provider's bound proves it did nothing, so the undo is
     # intended again under a successor key, and the saga unwinds instead of stopping.
-    trip = Trip()
-    trip.run(trip.place("hold_flight"))
-    trip.run(trip.place("book_hotel"))
-    trip.run(trip.place("charge_customer"), Outcome.NOT_DONE)
-    trip.compensate(trip.decide())
+    trip = undoing("hold_flight", "book_hotel")
     trip.undo_proven_absent(2)
     move = trip.decide()
     assert move == Compensate(((2, "cancel_hotel_booking", {"ref": "ref-2"}, 2),), move.why)
@@ -296,10 +299,7 @@ def test_an_undo_proven_to_have_done_nothing_is_sent_again_under_the_next_key() 
 
 
 def test_an_undo_gets_at_most_its_keys_then_needs_attention() -> None:
-    trip = Trip()
-    trip.run(trip.place("hold_flight"))
-    trip.run(trip.place("charge_customer"), Outcome.NOT_DONE)
-    trip.compensate(trip.decide())
+    trip = undoing("hold_flight")
     for generation in range(2, UNDO_KEYS_MAX + 1):
         trip.undo_proven_absent(1)
         move = trip.decide()
@@ -316,10 +316,7 @@ def test_an_undo_gets_at_most_its_keys_then_needs_attention() -> None:
 
 
 def test_a_successor_undo_key_is_taken_only_after_a_lookup_proved_the_last_did_nothing() -> None:
-    trip = Trip()
-    trip.run(trip.place("hold_flight"))
-    trip.run(trip.place("charge_customer"), Outcome.NOT_DONE)
-    trip.compensate(trip.decide())
+    trip = undoing("hold_flight")
     # Unknown is not proof, and neither is the provider's refusal: no second key.
     trip.log.append(trip.s.undo_attempted(1, 1))
     trip.log.append(trip.s.undo_settled(1, Outcome.UNKNOWN, attempt=1))
@@ -333,13 +330,27 @@ def test_a_successor_undo_key_is_taken_only_after_a_lookup_proved_the_last_did_n
     assert trip.state().steps[1].undo_generation == 1
 
 
+@pytest.mark.parametrize("verdict", [
+    {"source": SettlementSource.CALL, "attempt": 1},  # the provider refused it
+    {"source": SettlementSource.LOOKUP, "attempt": None, "effect_id": "rel_1"},  # its record
+    {"source": SettlementSource.LOOKUP, "attempt": None},  # failed, an unnamed record
+    {"source": SettlementSource.OPERATOR, "attempt": None},  # a person's word
+])
+def test_an_undo_not_done_for_any_other_reason_than_a_proof_of_absence_is_not_sent_again(
+        verdict: dict[str, Any]) -> None:
+    trip = undoing("hold_flight")
+    trip.log.append(trip.s.undo_attempted(1, 1))
+    trip.log.append(trip.s.undo_settled(1, Outcome.NOT_DONE, **verdict))
+    move = trip.decide()
+    assert isinstance(move, Finish)
+    assert move.state is FinalState.NEEDS_ATTENTION
+    assert trip.state().steps[1].undo_keys == ("trip-7:1:undo",)
+
+
 def test_a_late_report_that_an_earlier_undo_key_did_happen_needs_a_person() -> None:
     # Proven absent, sent again under :undo2, and then the provider reports the first after
     # all: the undo may have happened twice. Kept on that key's undo, never on the latest.
-    trip = Trip()
-    trip.run(trip.place("hold_flight"))
-    trip.run(trip.place("charge_customer"), Outcome.NOT_DONE)
-    trip.compensate(trip.decide())
+    trip = undoing("hold_flight")
     trip.undo_proven_absent(1)
     trip.compensate(trip.decide())
     trip.undo(1)

@@ -607,14 +607,16 @@ def _with_undo(step: StepState, generation: int,
 
 def successor_due(step: StepState) -> bool:
     """Whether the step's undo is to be intended again under its next key: a lookup proved
-    that nothing happened under the latest one (`not_done` from a lookup that names no
-    effect, so not the provider's refusal and not its record of a failure), no report
-    contradicts that, and a key is left. The proof rests on the tool's `completes_within_s`:
-    every request under the key has finished, so the old key can never take effect later."""
+    that nothing happened under the latest one (`not_done` from a lookup, about the attempts
+    up to the one it names, naming no effect: not the provider's refusal, not its record of a
+    failed undo, not a person's word), no report contradicts that, and a key is left. The
+    proof rests on the tool's `completes_within_s`: every request under the key has
+    finished, so the old key can never take effect later."""
     plan, settled = step.compensation, step.undo.settlement
     return (plan is not None and plan.generation < UNDO_KEYS_MAX and settled is not None
             and settled.outcome is Outcome.NOT_DONE and settled.source is SettlementSource.LOOKUP
-            and settled.effect_id is None and not step.undo_needs_attention)
+            and settled.attempt is not None and settled.effect_id is None
+            and not step.undo_needs_attention)
 
 
 def _adopt_orphans(state: TaskState, n: int) -> TaskState:
