@@ -278,10 +278,6 @@ def _judge_trip(verdict: Verdict, task_id: str, state: TaskState,
         elif step.outcome is Outcome.NOT_DONE and made:
             verdict.wrong.append(Finding(task_id, f"{step.step_id} is not_done in the journal, "
                                                    f"but tripsim has {named} under its key"))
-        # The undo under each of its keys: earlier ones were proven to have done nothing.
-        undos = [(p.plan.key, p.state) for p in step.past_undos]
-        if step.compensation is not None:
-            undos.append((step.compensation.key, step.undo))
         for effect, name in zip(made, named, strict=True):
             if effect.get("status") == undone_status:
                 undone.append(f"{name} ({step.step_id})")
@@ -291,8 +287,9 @@ def _judge_trip(verdict: Verdict, task_id: str, state: TaskState,
             if step.undo.outcome is Outcome.DONE and effect.get("status") != undone_status:
                 verdict.wrong.append(Finding(task_id, f"{step.step_id}: its undo is done in the "
                                                       f"journal, but {name} still stands"))
-            for key, undo in undos:
-                if undo.outcome is Outcome.NOT_DONE and key in answered:
+            for undo in step.undos:  # under each of its keys
+                key = undo.plan.key
+                if undo.state.outcome is Outcome.NOT_DONE and key in answered:
                     verdict.wrong.append(Finding(task_id, f"{step.step_id}: its undo under {key} "
                                                           f"is not_done in the journal, but that "
                                                           f"key undid {name}"))
@@ -424,7 +421,7 @@ def attention_reason(state: TaskState, states: Mapping[str, TaskState]) -> str |
     Either one of its steps needs attention, or its next step is blocked by a subject whose
     holder needs attention: the task waits for that holder, so for the same person."""
     for step in state.steps.values():
-        for effect in (step.effect, step.undo, *(p.state for p in step.past_undos)):
+        for effect in (step.effect, *(u.state for u in step.undos)):
             if effect.needs_attention:
                 check = effect.last_check
                 found = check.found if check is not None else "escalated"

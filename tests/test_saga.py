@@ -330,6 +330,25 @@ def test_a_successor_undo_key_is_taken_only_after_a_lookup_proved_the_last_did_n
     assert trip.state().steps[1].undo_generation == 1
 
 
+def test_news_of_an_undo_key_never_intended_is_not_applied() -> None:
+    # Only a forger (or a bug) writes about :undo2 before it is intended: it must not settle
+    # the undo under its first key, nor let a successor in.
+    trip = undoing("hold_flight")
+    trip.log.append(trip.s.undo_attempted(1, 1))
+    trip.log.append(trip.s.undo_settled(1, Outcome.UNKNOWN, attempt=1))
+    forged = [trip.s.undo_attempted(1, 2, generation=2),
+              trip.s.undo_settled(1, Outcome.NOT_DONE, attempt=1, generation=2,
+                                  source=SettlementSource.LOOKUP, reason="nothing found")]
+    trip.log += forged
+    state = trip.state()
+    step = state.steps[1]
+    assert step.undo.outcome is Outcome.UNKNOWN
+    assert [a.attempt for a in step.undo.attempts] == [1]
+    assert not saga.successor_due(step)
+    assert [a.split(":")[0] for a in state.anomalies] == [
+        f"{e.type} {e.event_id}" for e in forged]
+
+
 @pytest.mark.parametrize("verdict", [
     {"source": SettlementSource.CALL, "attempt": 1},  # the provider refused it
     {"source": SettlementSource.LOOKUP, "attempt": None, "effect_id": "rel_1"},  # its record

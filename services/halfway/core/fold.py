@@ -256,8 +256,8 @@ class EffectState:
 
 
 @dataclass(frozen=True, slots=True)
-class PastUndo:
-    """An undo under an earlier key, proven not done before its successor was intended."""
+class KeyedUndo:
+    """A step's undo under one of its keys: what was intended, and what is known of it."""
 
     plan: CompensationIntended
     state: EffectState
@@ -272,13 +272,20 @@ class StepState:
     # The last executor that met this step (or its undo) without its tool: shown while the
     # effect waits for one that serves it.
     unserved: StepUnserved | None = None
-    past_undos: tuple[PastUndo, ...] = ()  # earlier undo keys, oldest first
+    # Under earlier keys, each proven not done before the next was intended; oldest first.
+    past_undos: tuple[KeyedUndo, ...] = ()
+
+    @property
+    def undos(self) -> tuple[KeyedUndo, ...]:
+        """The undo under every key it was intended under, oldest first, the latest last."""
+        if self.compensation is None:
+            return self.past_undos
+        return (*self.past_undos, KeyedUndo(self.compensation, self.undo))
 
     @property
     def undo_keys(self) -> tuple[str, ...]:
         """Every key the step's undo was intended under, oldest first."""
-        latest = () if self.compensation is None else (self.compensation.key,)
-        return (*(p.plan.key for p in self.past_undos), *latest)
+        return tuple(u.plan.key for u in self.undos)
 
     @property
     def undo_generation(self) -> int:
@@ -289,8 +296,7 @@ class StepState:
     def undo_needs_attention(self) -> bool:
         """The undo needs a person: under its latest key, or a report contradicts the proof
         that an earlier key did nothing (then the undo may have happened twice)."""
-        return self.undo.needs_attention or any(p.state.needs_attention
-                                                for p in self.past_undos)
+        return any(u.state.needs_attention for u in self.undos)
 
     @property
     def step_id(self) -> str:
@@ -503,7 +509,7 @@ def _take(state: TaskState, event: Event) -> TaskState:
                 return state  # rule 2: the first undo under each key is the undo
             if event.generation != generation + 1:
                 return _not_accepted(state, event, f"undo key {event.generation} of step "
-                                     f"{event.step_id} comes before key {generation + 1}")
+                                     f"{event.step_id} skips key {generation + 1}")
             if step is not None and generation and not successor_due(step):
                 return _not_accepted(state, event, f"the undo of step {event.step_id} under "
                                      f"{step.compensation.key} was not proven to have done "
@@ -523,6 +529,7 @@ def _take(state: TaskState, event: Event) -> TaskState:
             assert_never(event)
 
 
+CompensationEvent = CompensationAttempted | CompensationSettled | CompensationChecked
 StepEvent = (
     StepAttempted
     | StepSettled
@@ -542,6 +549,11 @@ def _apply_to_step(state: TaskState, event: StepEvent) -> TaskState:
         # never the step's attempt, and its executor, which reads the log first, never sent it.
         return _note(state, event, f"an attempt of decision {event.intent_id}, which the log "
                      f"did not take for step {event.step_id}; never counted")
+    if step is not None and isinstance(event, CompensationEvent) and \
+            event.generation > max(step.undo_generation, 1):
+        # No honest writer journals it: an undo key is used only once its intent is in the log.
+        return _note(state, event, f"about undo key {event.generation} of step "
+                     f"{event.step_id}, which was never intended; never applied")
     if step is None:
         if isinstance(event, StepSettled | CompensationSettled):
             # Never adopted: a verdict older than its decision is not about that decision.
@@ -581,8 +593,8 @@ def _step_with(step: StepState, event: StepEvent) -> StepState:
                 return replace(step, compensation=event)
             if event.generation != step.compensation.generation + 1:
                 return step
-            past = (*step.past_undos, PastUndo(step.compensation, step.undo))
-            return replace(step, compensation=event, undo=EffectState(), past_undos=past)
+            return replace(step, compensation=event, undo=EffectState(),
+                           past_undos=step.undos)
         case CompensationAttempted():
             return _with_undo(step, event.generation, lambda u: u.with_attempt(event))
         case CompensationSettled():
@@ -595,8 +607,8 @@ def _step_with(step: StepState, event: StepEvent) -> StepState:
 
 def _with_undo(step: StepState, generation: int,
                change: Callable[[EffectState], EffectState]) -> StepState:
-    """`change` the step's undo under key `generation`: its latest, or an earlier one (an
-    event about a key not intended yet changes the latest: an orphan's fate, as before)."""
+    """`change` the step's undo under key `generation`: an earlier one, or else its latest
+    (`_apply_to_step` keeps events about a key never intended away)."""
     for i, past in enumerate(step.past_undos):
         if past.plan.generation == generation:
             undos = list(step.past_undos)

@@ -287,11 +287,9 @@ def _effect_named(state: TaskState | None, key: str | None) -> Effect | None:
                       intent.key, step.effect)
     # The latest undo, or one under an earlier key: news of that one is weighed against
     # its proof of absence (a `done` contradicts it: the undo may have happened twice).
-    undos = [(p.plan, p.state) for p in step.past_undos]
-    if step.compensation is not None:
-        undos.append((step.compensation, step.undo))
-    for plan, effect in undos:
+    for undo_ in step.undos:
+        plan = undo_.plan
         if plan.key == key:
             return Effect(True, intent.task_id, step.step_id, plan.tool, plan.args, plan.key,
-                          effect, generation=plan.generation)
+                          undo_.state, generation=plan.generation)
     return None
