@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jsonschema
@@ -10,7 +11,16 @@ import pytest
 from pydantic import ValidationError
 
 from halfway.contract import EVENT_TYPES, Outcome, event_type_name, parse_event
-from halfway.contract.ids import mint_key, mint_undo_key, parse_step_id, step_id
+from halfway.contract.ids import (
+    KEY_PATTERN,
+    UNDO_KEYS_MAX,
+    mint_key,
+    mint_undo_key,
+    parse_step_id,
+    parse_undo_key,
+    step_id,
+    step_of_key,
+)
 from halfway.contract.jsonschema import JSON_DIR, stale_files
 from halfway.contract.topics import ALL_TOPICS, JOURNAL, SNAPSHOTS
 from tests.factories import Stamper, one_of_each
@@ -106,8 +116,28 @@ def test_keys_are_minted_from_the_step_id_alone() -> None:
 
 
 def test_the_longest_undo_key_fits_the_strictest_provider_limit() -> None:
-    longest = mint_undo_key(step_id("t" * 48, 9999))
+    longest = mint_undo_key(step_id("t" * 48, 9999), UNDO_KEYS_MAX)
     assert len(longest) <= 64  # Adyen's limit; Stripe allows 255
+
+
+def test_an_undo_has_up_to_its_keys_and_each_names_its_step_and_generation() -> None:
+    sid = step_id("trip-7", 2)
+    keys = [mint_undo_key(sid, g) for g in range(1, UNDO_KEYS_MAX + 1)]
+    assert keys == ["trip-7:2:undo", "trip-7:2:undo2", "trip-7:2:undo3"]
+    for g, key in enumerate(keys, start=1):
+        assert re.fullmatch(KEY_PATTERN, key)
+        assert parse_undo_key(key) == (sid, g)
+        assert step_of_key(key) == sid
+    assert parse_undo_key(sid) is None
+    assert step_of_key(sid) == sid
+    for bad in (f"{sid}:undo{UNDO_KEYS_MAX + 1}", f"{sid}:undo1", f"{sid}:undo0", "x:undo"):
+        assert re.fullmatch(KEY_PATTERN, bad) is None, bad
+        assert parse_undo_key(bad) is None, bad
+        with pytest.raises(ValueError, match="step id"):
+            step_of_key(bad)
+    for generation in (0, UNDO_KEYS_MAX + 1):
+        with pytest.raises(ValueError, match="undo generation"):
+            mint_undo_key(sid, generation)
 
 
 def test_topics_are_declared_once_and_journals_keep_everything() -> None:

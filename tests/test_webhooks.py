@@ -492,7 +492,9 @@ def test_any_event_is_recorded_so_the_reconciler_reads_it_or_refused(
 @pytest.mark.parametrize(("key", "task_id"), [
     ("renewal-{t}:3", "renewal-{t}"),
     ("renewal-{t}:3:undo", "renewal-{t}"),
+    ("renewal-{t}:3:undo3", "renewal-{t}"),  # the undo's last successor key
     ("renewal-{t}:0", None),  # malformed keys count as absent: keyed by the charge instead
+    ("renewal-{t}:3:undo9", None),  # past the undo's keys: signed, but no key of ours
     ("not a key", None),
     (None, None),
 ])

@@ -23,14 +23,15 @@ import re
 # short enough that `{task_id}:{n}:undo` fits every provider's key limit (Stripe: 255, Adyen: 64).
 TASK_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,47}$"
 STEP_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,47}:[1-9][0-9]{0,3}$"
-KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,47}:[1-9][0-9]{0,3}(:undo[2-9]?)?$"
+UNDO_KEYS_MAX = 3  # an undo's keys: the first, and successors after proofs of absence
+KEY_PATTERN = (r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,47}:[1-9][0-9]{0,3}"
+               rf"(:undo[2-{UNDO_KEYS_MAX}]?)?$")
 STEP_N_MAX = 9999
 KEY_LENGTH_MAX = 64
-UNDO_KEYS_MAX = 3  # an undo's keys: the first, and successors after proofs of absence
 
 _STEP_ID = re.compile(STEP_ID_PATTERN)
 _TASK_ID = re.compile(TASK_ID_PATTERN)
-_UNDO_KEY = re.compile(r"^(?P<step>.+):undo(?P<generation>[2-9]?)$")
+_UNDO_KEY = re.compile(rf"^(?P<step>.+):undo(?P<generation>[2-{UNDO_KEYS_MAX}]?)$")
 UNDO_SUFFIX = ":undo"
 
 
@@ -74,12 +75,11 @@ def parse_undo_key(key: str) -> tuple[str, int] | None:
     match = _UNDO_KEY.fullmatch(key)
     if match is None:
         return None
-    generation = int(match["generation"] or 1)
     try:
         parse_step_id(match["step"])
     except ValueError:
         return None
-    return (match["step"], generation) if generation <= UNDO_KEYS_MAX else None
+    return match["step"], int(match["generation"] or 1)
 
 
 def step_of_key(key: str) -> str:
