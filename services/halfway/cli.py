@@ -193,8 +193,10 @@ def run(service: Annotated[Runnable, typer.Argument(help="which service")],
         from halfway import metrics
 
         metrics.serve_from_env(metrics_port)
+    from halfway import collector
     from halfway.journal.admin import TopicLayoutError
 
+    collector.tune()
     try:
         _run_service(service, app_ref, model)
     except TopicLayoutError as exc:  # an operator's decision: waiting would not mend it
@@ -236,6 +238,9 @@ def dev(app_ref: AppOption = None, model: ModelOption = None) -> None:
     chosen = _load_model(model, loaded)
     _infra("up", Component.ALL)
     log.configure(json=False)
+    from halfway import collector
+
+    collector.tune()
     asyncio.run(run_dev(loaded, chosen))
 
 
@@ -546,6 +551,9 @@ def mcp_serve(
     loaded = _load_app(app_ref)
     chosen = _load_model(model, loaded)  # for tasks that are not MCP sessions
     log.configure()  # to stderr: over stdio, stdout is the MCP connection
+    from halfway import collector
+
+    collector.tune()
     asyncio.run(serve_proxy(loaded, chosen, transport=transport.value, host=host, port=port,
                             call_wait_s=wait_s, session_idle_s=idle_s, task=task))
 
