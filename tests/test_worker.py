@@ -228,6 +228,35 @@ async def test_a_move_that_keeps_failing_rests_longer_each_time_and_never_spins(
     assert not worker.busy(effect)
 
 
+async def test_a_timer_that_fired_is_forgotten_and_one_replaced_never_fires() -> None:
+    """One timer per waiting effect, and only while it waits: the map follows the effects
+    waiting now, not every effect that ever waited (it held one per effect for good)."""
+    from types import SimpleNamespace
+
+    from halfway.journal import steps
+
+    touched: list[str] = []
+    all_woken = asyncio.Event()
+    effects = 1000
+
+    def touch(task_id: str) -> None:
+        touched.append(task_id)
+        if len(touched) == effects:
+            all_woken.set()
+
+    worker = steps.StepWorker()
+    worker.follower = SimpleNamespace(touch=touch)  # type: ignore[assignment]
+    now = datetime.now(UTC)
+    for i in range(effects):
+        effect = SimpleNamespace(move_id=f"t-{i}:1", task_id=f"t-{i}")
+        worker.wake_at(effect, now + timedelta(days=1), now)  # type: ignore[arg-type]
+        worker.wake_at(effect, now, now)  # type: ignore[arg-type]  # replaces the first
+    assert len(worker._timers) == effects
+    await asyncio.wait_for(all_woken.wait(), 5)
+    assert sorted(touched) == sorted(f"t-{i}" for i in range(effects))  # each once
+    assert worker._timers == {}
+
+
 @pytest.mark.broker
 async def test_a_worker_with_a_scripted_model_journals_each_step_with_the_next_move(
         kafka_settings: KafkaSettings, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -91,15 +91,22 @@ class StepWorker:
         while len(self._resting) >= RESTING_MAX:
             del self._resting[next(iter(self._resting))]
         self._resting[effect.move_id] = (failures, time.monotonic() + delay_s)
-        if (old := self._timers.pop(effect.move_id, None)) is not None:
-            old.cancel()
-        self._timers[effect.move_id] = asyncio.get_running_loop().call_later(
-            delay_s, self.follower.touch, effect.task_id)
+        self._wake_in(effect, delay_s)
 
     def wake_at(self, effect: Effect, until: datetime, now: datetime) -> None:
         """Look at the effect's task again at `until` (one timer per effect)."""
-        if (old := self._timers.pop(effect.move_id, None)) is not None:
+        self._wake_in(effect, max(0.0, (until - now).total_seconds()))
+
+    def _wake_in(self, effect: Effect, delay_s: float) -> None:
+        # One timer per effect, and only while it waits: a timer that fired is forgotten, so
+        # the map holds the effects waiting now, not every effect that ever waited.
+        move_id, task_id = effect.move_id, effect.task_id
+        if (old := self._timers.pop(move_id, None)) is not None:
             old.cancel()
-        delay_s = max(0.0, (until - now).total_seconds())
-        self._timers[effect.move_id] = asyncio.get_running_loop().call_later(
-            delay_s, self.follower.touch, effect.task_id)
+
+        def fire() -> None:
+            if self._timers.get(move_id) is timer:
+                del self._timers[move_id]
+            self.follower.touch(task_id)
+
+        timer = self._timers[move_id] = asyncio.get_running_loop().call_later(delay_s, fire)
