@@ -74,6 +74,24 @@ def test_a_release_frees_the_subject_unless_it_was_done_once_per_subject() -> No
     assert other.apply(claim("z:1", once=True)) == Granted()
 
 
+def test_the_book_holds_subjects_held_or_done_once_not_every_subject_ever_claimed() -> None:
+    book = GuardBook()
+    for i in range(1000):
+        c = claim(f"t-{i}:1", subject=f"invoice:INV-{i}")
+        assert book.apply(c) == Granted()
+        book.apply(release(c, Release.DONE if i % 2 else Release.NOT_DONE))
+    book.apply(release(claim("stray:1", subject="invoice:never-claimed"), Release.DONE))
+    once = claim("o:1", subject="invoice:ONCE", once=True)
+    book.apply(once)
+    book.apply(release(once, Release.DONE))
+    held = claim("h:1", subject="invoice:HELD")
+    book.apply(held)
+    assert set(book._subjects) == {("charge_customer", "invoice:ONCE"),
+                                   ("charge_customer", "invoice:HELD")}
+    assert book.apply(claim("t-999:2", subject="invoice:INV-999")) == Granted()  # free still
+    assert isinstance(book.apply(claim("p:1", subject="invoice:ONCE", once=True)), Blocked)
+
+
 def test_a_late_release_of_an_older_claim_never_frees_a_newer_one() -> None:
     book = GuardBook()
     old = claim("a:1")

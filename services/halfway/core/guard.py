@@ -80,11 +80,12 @@ class GuardBook:
 
     def apply(self, record: SubjectClaimed | SubjectReleased) -> Verdict | None:
         """Apply one record; for a claim, its verdict."""
-        subject = self._subjects.setdefault((record.tool, record.subject), _Subject())
+        name = (record.tool, record.subject)
         if isinstance(record, SubjectClaimed):
-            return self._claim(subject, record)
-        holder = subject.holder
-        if holder is None or holder.step_id != record.step_id:
+            return self._claim(self._subjects.setdefault(name, _Subject()), record)
+        subject = self._subjects.get(name)
+        holder = None if subject is None else subject.holder
+        if subject is None or holder is None or holder.step_id != record.step_id:
             return None  # not the holder: a duplicate or a stale release
         if record.claim_id is not None and record.claim_id != holder.event_id:
             return None  # a late release of an older claim of this step
@@ -94,6 +95,10 @@ class GuardBook:
             self._held.pop(holder.task_id, None)
         if record.release is ReleaseKind.DONE and holder.once_per_subject:
             subject.done_by = holder
+        if subject.done_by is None:
+            # A free subject is what an unknown one reads as: keeping it would hold every
+            # subject ever claimed. Only holders and once-per-subject marks stay.
+            del self._subjects[name]
         return None
 
     def _claim(self, subject: _Subject, claim: SubjectClaimed) -> Verdict:
