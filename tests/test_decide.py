@@ -156,6 +156,29 @@ async def test_the_scripted_model_answers_differently_when_asked_twice(tmp_path)
     assert model.times_asked("renewal-8812", 1) == 2
 
 
+async def test_the_scripted_model_remembers_the_newest_questions_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long-running workflow asks about every step of every task: the count of questions
+    is bounded (it held one entry per step ever asked)."""
+    from halfway.models import scripted
+
+    monkeypatch.setattr(scripted, "ASKED_KEPT", 50)
+    model = ScriptedModel()
+    script = {"script": [{"tool": "charge_customer", "args": {"amount_cents": 4900},
+                          "reask_args": {"amount_cents": "49.00"}}]}
+    for i in range(200):
+        started = Stamper(f"t-{i}").started().model_copy(update={"input": script})
+        answer = await model.decide(history_of(fold([started]), 1, []))
+        assert answer.args == {"amount_cents": 4900}
+    assert len(model._asked) == 50
+    assert model.times_asked("t-199", 1) == 1
+    assert model.times_asked("t-0", 1) == 0
+    newest = Stamper("t-199").started().model_copy(update={"input": script})
+    again = await model.decide(history_of(fold([newest]), 1, []))
+    assert again.args == {"amount_cents": "49.00"}  # a re-ask is still told apart
+    assert len(model._asked) == 50
+
+
 def test_refused_proposals_are_shown_and_bounded(s: Stamper) -> None:
     log = [s.started(), s.refused(1, "refused: bad amount")]
     state = fold(log)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,10 @@ from halfway.models.base import (
 )
 
 DELAY_S_MAX = 600.0  # of a scripted model's thinking
+# Questions remembered (task, step number), to tell a question asked again (`reask_args`,
+# `second_ask_delay_s`: scripts that test a re-ask); past this the oldest are forgotten, and
+# a step asked again after that many others reads as asked once. A workflow never re-asks.
+ASKED_KEPT = 100_000
 
 
 class ScriptedModel:
@@ -49,11 +52,11 @@ class ScriptedModel:
     def __init__(self, call_log: Path | None = None) -> None:
         env = settings.model_call_log()
         self.call_log = call_log or (Path(env) if env else None)
-        self._asked: Counter[tuple[str, int]] = Counter()
+        self._asked: dict[tuple[str, int], int] = {}  # in order of first asking
 
     def times_asked(self, task_id: str, n: int) -> int:
         if self.call_log is None:
-            return self._asked[(task_id, n)]
+            return self._asked.get((task_id, n), 0)
         if not self.call_log.exists():
             return 0
         lines = self.call_log.read_text().splitlines()
@@ -61,7 +64,10 @@ class ScriptedModel:
                    if (e := json.loads(line))["task_id"] == task_id and e["n"] == n)
 
     def _record(self, task_id: str, n: int, answer: dict[str, Any]) -> None:
-        self._asked[(task_id, n)] += 1
+        asked = self._asked
+        if (task_id, n) not in asked and len(asked) >= ASKED_KEPT:
+            del asked[next(iter(asked))]
+        asked[(task_id, n)] = asked.get((task_id, n), 0) + 1
         if self.call_log is not None:
             with self.call_log.open("a") as f:
                 f.write(json.dumps({"task_id": task_id, "n": n, **answer}) + "\n")
