@@ -105,6 +105,8 @@ ALSO_PROPOSED_MAX = 15  # further calls of one answer kept with its step (not ru
 # PLACE_RETRY_S_BASE * 2**k, at most PLACE_RETRY_S_MAX, never in a tight loop.
 PLACE_RETRY_S_BASE = 0.5
 PLACE_RETRY_S_MAX = 30.0
+# Questions whose failure counts are kept (for that backoff): past it the oldest is forgotten.
+PLACE_FAILURES_KEPT = 10_000
 # A request is copied into `task.started`; past this it could not be journaled with room.
 TASK_REQUEST_BYTES_MAX = 256 * 1024
 TOOL_NAME_CHARS_MAX = 200  # of a proposed tool name, as journaled in a refusal
@@ -156,6 +158,7 @@ class Decider:
                                         app_label=app_label,
                                         seal_after_s=env.seal_after_s(), snapshots=True,
                                         gather_ms=gather_ms, side_at_once=True,
+                                        on_revoke=self._forget_revoked,
                                         # a task over that still holds a claim has a move left
                                         wake_on_catch_up=lambda t: bool(
                                             self.guards.book.held_by(t)))
@@ -167,6 +170,7 @@ class Decider:
         # Tasks waiting for a subject held by another step: (tool, subject) -> task ids. Bounded
         # by the tasks waiting; each is also woken at its deadline by a timer.
         self._waiting: dict[tuple[str, str], set[str]] = {}
+        self._waits_on: dict[str, tuple[str, str]] = {}  # the other way round
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._slots = asyncio.Semaphore(MODEL_CALLS_MAX)
         self._log = log.get("halfway.decider")
@@ -210,6 +214,7 @@ class Decider:
             self.follower.touch(record.task_id)  # a claim of one of ours: is it abandoned?
         if isinstance(record, SubjectReleased):
             for task_id in self._waiting.pop((record.tool, record.subject), ()):
+                del self._waits_on[task_id]
                 self.follower.touch(task_id)
 
     async def _on_change(self, task_ids: set[str]) -> None:
@@ -220,6 +225,8 @@ class Decider:
             return  # over for good: nothing to decide, and no claim of it to move
         with log.bound(task_id=task_id):
             state = self._state(task_id)
+            if state.finished is not None or state.rejected is not None:
+                self._stop_waiting(task_id)  # over: no step of it waits for a subject
             if await self._move_claims(state):
                 return  # a withdrawal is journaled: nothing is asked until the fold has it
             await self._make(task_id, self._decide(state))
@@ -310,8 +317,31 @@ class Decider:
             case _:
                 pass
 
+    def _forget_revoked(self, partitions: set[int]) -> None:
+        """What this process kept about tasks of partitions now another's: their owner keeps
+        its own (the follower has dropped their states already)."""
+        gone = {t for t, _ in self._place_failures} | set(self._released) | set(self._timers)
+        gone |= {t for waiting in self._waiting.values() for t in waiting}
+        gone = {t for t in gone if not self.follower.owns(t)}
+        for key in [k for k in self._place_failures if k[0] in gone]:
+            del self._place_failures[key]
+        for task_id in gone:
+            self._released.pop(task_id, None)
+            self._stop_waiting(task_id)
+            if (timer := self._timers.pop(task_id, None)) is not None:
+                timer.cancel()
+
+    def _stop_waiting(self, task_id: str) -> None:
+        subject = self._waits_on.pop(task_id, None)
+        if subject is not None and (waiting := self._waiting.get(subject)) is not None:
+            waiting.discard(task_id)
+            if not waiting:
+                del self._waiting[subject]
+
     def _wait(self, task_id: str, held: SubjectHeld, until: datetime) -> None:
         """Wake the task when the subject is released (the guard view says so), or at `until`."""
+        self._stop_waiting(task_id)  # one subject at a time: the one it was refused for last
+        self._waits_on[task_id] = (held.tool, held.subject)
         self._waiting.setdefault((held.tool, held.subject), set()).add(task_id)
         self._wake_at(task_id, until)
         self._log.info("waiting for a subject", subject=held.subject, holder=held.holder,
@@ -350,7 +380,10 @@ class Decider:
             except Exception:
                 # Not the model's failure (that is journaled above): the journal could not be
                 # written, say. Try again later, never in a tight loop (each try asks anew).
-                failures = self._place_failures.get((task_id, n), 0) + 1
+                failures = self._place_failures.pop((task_id, n), 0) + 1
+                while len(self._place_failures) >= PLACE_FAILURES_KEPT:
+                    # The oldest count forgotten: that question's next backoff starts over.
+                    del self._place_failures[next(iter(self._place_failures))]
                 self._place_failures[(task_id, n)] = failures
                 retry_in_s = min(PLACE_RETRY_S_MAX, PLACE_RETRY_S_BASE * 2 ** (failures - 1))
                 self._log.exception("placing the model's answer failed; the step stays "
