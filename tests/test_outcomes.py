@@ -89,6 +89,27 @@ def test_the_slow_charge_is_told_in_three_states() -> None:
     assert messages(log, TASK) == out  # the same log, the same messages: ids are deterministic
 
 
+def test_a_subscription_keeps_the_newest_subjects_and_drops_their_repeats(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dedupe keeps one seq per subject, of the newest SUBJECTS_KEPT subjects: a subscriber to
+    every task does not keep every subject ever seen."""
+    from halfway import client
+
+    monkeypatch.setattr(client, "SUBJECTS_KEPT", 10)
+    stream = OutcomeStream(KafkaSettings(bootstrap="127.0.0.1:1", topic_prefix="dedupe.",
+                                         replication_factor=1), None, from_beginning=True)
+    tasks = [messages([Stamper(f"t-{i}").started()], f"t-{i}") for i in range(30)]
+    for i, sent in enumerate(tasks):
+        for message in sent:
+            stream._take(message.model_dump_json().encode(), 0, i)
+    delivered = len(stream._ready)
+    assert delivered == sum(len(sent) for sent in tasks)
+    assert len(stream._last_seq) == 10
+    for message in tasks[-1]:
+        stream._take(message.model_dump_json().encode(), 0, 99)  # a repeat of the newest
+    assert len(stream._ready) == delivered
+
+
 def test_redeliveries_and_ignored_duplicates_change_nothing() -> None:
     s = Stamper(TASK)
     settled = s.settled(1, Outcome.DONE, attempt=1)

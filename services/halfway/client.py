@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import deque
+from collections import OrderedDict, deque
 from types import TracebackType
 from typing import Self
 
@@ -43,6 +43,9 @@ from halfway.settings import KafkaSettings
 __all__ = ["HalfwayClient", "OutcomeStream"]
 
 FETCH_TIMEOUT_MS = 500
+# Subjects (a task's steps, undos and the task itself) whose last seq a stream keeps, newest
+# first: a subscriber to every task would otherwise keep one per subject ever seen.
+SUBJECTS_KEPT = 100_000
 
 
 class HalfwayClient:
@@ -108,7 +111,10 @@ class OutcomeStream:
 
     Dedupe: message ids are `{task_id}/{about}/{seq}` and a subject's messages are published in
     seq order, so keeping a message only when its seq is higher than the last one seen for its
-    subject drops exactly the repeated ids, with memory per subject instead of per message."""
+    subject drops exactly the repeated ids, with memory per subject instead of per message.
+    The newest SUBJECTS_KEPT subjects are kept: a repeat of a message about an older one (a
+    publisher that restarted long after) is delivered again, with its id, for the caller's own
+    dedupe (delivery is at least once)."""
 
     def __init__(self, settings: KafkaSettings, task_id: str | None, *,
                  from_beginning: bool) -> None:
@@ -117,7 +123,7 @@ class OutcomeStream:
         self.from_beginning = from_beginning
         self._consumer: AIOKafkaConsumer | None = None
         self._ready: deque[OutcomeChanged] = deque()
-        self._last_seq: dict[str, int] = {}
+        self._last_seq: OrderedDict[str, int] = OrderedDict()  # least recently changed first
         self._log = log.get("halfway.client")
 
     async def start(self) -> Self:
@@ -180,9 +186,13 @@ class OutcomeStream:
         if self.task_id is not None and message.task_id != self.task_id:
             return
         subject = f"{message.task_id}/{message.about}"
-        if message.seq <= self._last_seq.get(subject, 0):
+        last = self._last_seq
+        if message.seq <= last.get(subject, 0):
             return  # a duplicate: its id was delivered already
-        self._last_seq[subject] = message.seq
+        last[subject] = message.seq
+        last.move_to_end(subject)
+        if len(last) > SUBJECTS_KEPT:
+            last.popitem(last=False)
         self._ready.append(message)
 
 
