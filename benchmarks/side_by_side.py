@@ -791,10 +791,11 @@ async def run_system(system: System, bench: Bench, args: argparse.Namespace, r: 
             await timed(system, f"{tag}-c{i}")
         return 0.0
 
-    start = time.perf_counter()
-    await all_of([caller() for _ in range(args.callers)])
-    system.callers_tps.append(args.tasks / (time.perf_counter() - start))
-    phase_done(f"{args.callers} callers", args.tasks)
+    if args.callers:
+        start = time.perf_counter()
+        await all_of([caller() for _ in range(args.callers)])
+        system.callers_tps.append(args.tasks / (time.perf_counter() - start))
+        phase_done(f"{args.callers} callers", args.tasks)
 
     if args.inflight:
         start = time.perf_counter()
@@ -803,7 +804,7 @@ async def run_system(system: System, bench: Bench, args: argparse.Namespace, r: 
         system.inflight_sps.append(STEPS * args.inflight / (time.perf_counter() - start))
         phase_done(f"{args.inflight} in flight", args.inflight)
 
-    ran = 2 * args.tasks + args.inflight
+    ran = args.tasks * (2 if args.callers else 1) + args.inflight
     system.tasks_run += ran
     made = await things(http, bench.stub_url) - made_before
     if made != STEPS * ran:
@@ -931,7 +932,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tasks", type=int, default=50,
                         help="tasks per round and system, sequential and over the callers")
-    parser.add_argument("--callers", type=int, default=8)
+    parser.add_argument("--callers", type=int, default=8,
+                        help="concurrent callers sharing --tasks tasks (0: skip)")
     parser.add_argument("--inflight", type=int, default=256,
                         help="tasks started at once per round and system (0: skip)")
     parser.add_argument("--floor-samples", type=int, default=200, help="per round")
@@ -946,6 +948,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cache", type=Path, default=Path(os.environ.get(
         "HALFWAY_BENCH_CACHE", "~/.cache/halfway-bench")).expanduser())
     args = parser.parse_args()
+    if min(args.rounds, args.tasks) < 1 or min(args.callers, args.inflight) < 0:
+        parser.error("--rounds and --tasks take 1 or more, --callers and --inflight 0 or more")
     args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     if args.skip - set(PEERS):
         parser.error(f"--skip takes {','.join(PEERS)}, not "
