@@ -8,27 +8,34 @@ rebuilt schema replaces the live one in one transaction (live -> `{live}_old`, d
 rebuild -> live); a projector running meanwhile notices that the offsets moved and writes again
 from the rebuilt ones (see `service`). With `check_only` the rebuilt schema is dropped after the
 comparison: the report holds the differences.
+
+Tasks are sealed as the live projector seals them (`service.Sealing`, with the same
+`seal_after_s`), so late events of a sealed task are not folded here either, and the rows are
+the live ones. A sealed task's rows are written as it is sealed and its fold dropped: memory
+follows live work here too.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from halfway.contract.topics import JOURNAL
-from halfway.core.fold import TaskState, apply
+from halfway.core.fold import TaskState
 from halfway.journal import read_topic
 from halfway.journal.admin import cluster_id
 from halfway.projector import store
 from halfway.projector.rows import Row
-from halfway.projector.service import journal_end_offsets
+from halfway.projector.service import FROM_ENV, FromEnv, Sealing, journal_end_offsets, seal_after
 from halfway.settings import KafkaSettings
 
 Progress = Callable[[int, int], None]  # (records read, records to read)
+Write = Callable[[list[TaskState]], Awaitable[None]]
 PROGRESS_EVERY_EVENTS = 1000
-WRITE_TASKS_MAX = 1000  # tasks per COPY batch into the rebuilt schema
+WRITE_TASKS_MAX = 1000  # tasks per COPY batch into the rebuilt schema (sealed ones too)
 EXAMPLES_MAX = 5  # differing rows shown per table
 EXAMPLE_CHARS_MAX = 400
 
@@ -85,8 +92,10 @@ class RebuildReport:
 
 
 async def rebuild(settings: KafkaSettings, dsn: str, *, progress: Progress | None = None,
-                  check_only: bool = False, live: str = "halfway") -> RebuildReport:
-    """Replay the journal into `{live}_rebuild`, compare with `live`, swap unless check_only."""
+                  check_only: bool = False, live: str = "halfway",
+                  seal_after_s: float | FromEnv | None = FROM_ENV) -> RebuildReport:
+    """Replay the journal into `{live}_rebuild`, compare with `live`, swap unless check_only.
+    `seal_after_s` must be the live projector's (by default both read HALFWAY_SEAL_AFTER_S)."""
     rebuilt, old = store.checked(f"{live}_rebuild"), store.checked(f"{live}_old")
     conn = await store.connect(dsn)
     try:
@@ -95,7 +104,12 @@ async def rebuild(settings: KafkaSettings, dsn: str, *, progress: Progress | Non
         await store.claim_source(conn, rebuilt, await cluster_id(settings),
                                  JOURNAL.name(settings.topic_prefix))
         started = time.monotonic()
-        states, ends, events, invalid = await _fold_journal(settings, progress)
+
+        async def write_sealed(chunk: list[TaskState]) -> None:
+            await store.apply_batch(conn, rebuilt, chunk, {})
+
+        states, ends, events, invalid, sealed = await _fold_journal(
+            settings, progress, seal_after(seal_after_s), write_sealed)
         topic = JOURNAL.name(settings.topic_prefix)
         chunk: list[TaskState] = []
         for state in states.values():
@@ -118,34 +132,49 @@ async def rebuild(settings: KafkaSettings, dsn: str, *, progress: Progress | Non
     finally:
         await conn.close()
     return RebuildReport(
-        live=live, rebuilt=rebuilt, events=events, tasks=len(states), invalid=invalid,
+        live=live, rebuilt=rebuilt, events=events, tasks=len(states) + sealed, invalid=invalid,
         end_offsets=ends, build_s=build_s, events_per_s=events / build_s if build_s else 0.0,
         live_existed=live_existed, differences=differences, swapped=not check_only)
 
 
 async def _fold_journal(settings: KafkaSettings, progress: Progress | None,
-                        ) -> tuple[dict[str, TaskState], dict[int, int], int, int]:
-    """(states, end offsets, events folded, invalid records) of the journal up to its ends now."""
+                        after: timedelta | None, write_sealed: Write,
+                        ) -> tuple[dict[str, TaskState], dict[int, int], int, int, int]:
+    """(states of the tasks not sealed, end offsets, events read, invalid records, tasks
+    sealed) of the journal up to its ends now. Sealed tasks go to `write_sealed`, in chunks."""
     # The ends are taken first, and records at or past them skipped: the rebuilt offsets then
     # say exactly what the rows contain, even while writers go on appending.
     ends = await journal_end_offsets(settings)
     total = sum(ends.values())
     invalid_seen: list[tuple[int, int, str]] = []
     states: dict[str, TaskState] = {}
+    seals: dict[int, Sealing] = {}  # by partition
+    sealed: list[TaskState] = []  # to write: at most WRITE_TASKS_MAX
+    sealed_total = 0
     events = 0
     async for delivery in read_topic(settings, JOURNAL, invalid_seen):
         if delivery.offset >= ends.get(delivery.partition, 0):
             continue
-        event = delivery.event
-        states[event.task_id] = apply(states.get(event.task_id)
-                                      or TaskState(task_id=event.task_id), event)
         events += 1
         if progress is not None and events % PROGRESS_EVERY_EVENTS == 0:
             progress(events + len(invalid_seen), total)
+        sealing = seals.get(delivery.partition)
+        if sealing is None:
+            sealing = seals[delivery.partition] = Sealing(delivery.partition, after)
+        _, now_sealed = sealing.fold(states, delivery.event)  # (late news: not folded)
+        for state in now_sealed:
+            del states[state.task_id]
+            sealed.append(state)
+            sealed_total += 1
+            if len(sealed) >= WRITE_TASKS_MAX:
+                await write_sealed(sealed)
+                sealed = []
+    if sealed:
+        await write_sealed(sealed)
     invalid = sum(1 for p, offset, _ in invalid_seen if offset < ends.get(p, 0))
     if progress is not None:
         progress(events + invalid, total)
-    return states, ends, events, invalid
+    return states, ends, events, invalid, sealed_total
 
 
 def compare(live: dict[str, list[Row]], rebuilt: dict[str, list[Row]],

@@ -22,6 +22,14 @@ A record that is not an event (any kind, any size) never stops the projector: it
 nothing, and dead-lettered (`halfway.journal.deadletters`) the first time the projector passes
 it, before the batch that stores an offset beyond it; a replay below the stored offset skips
 it quietly. The consumer fetches any record the broker accepts (`halfway.journal.limits`).
+
+Memory follows live work: tasks are sealed as the services seal them (`Sealing`, the
+follower's rule, by the journal's clock: the same records seal the same tasks live, on a
+replay and in a rebuild). A sealed task's fold is dropped once its row is stored, and only an
+8-byte digest kept; its late events are not folded (the row stays as it was; logged, the first
+time past them) and do not move the clock. A re-sync below the offset of a dropped task's last
+event (a lagging rebuild swapped in) cannot write that row again: the partition is replayed from
+zero.
 """
 
 from __future__ import annotations
@@ -30,7 +38,10 @@ import asyncio
 import contextlib
 import signal
 import time
+from collections import deque
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 
 import asyncpg
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
@@ -39,12 +50,15 @@ from aiokafka.structs import ConsumerRecord
 
 from halfway import log
 from halfway import settings as env
+from halfway.contract import Event, TaskRequested
 from halfway.contract.topics import DEAD_LETTERS, JOURNAL
-from halfway.core.fold import TaskState, apply
+from halfway.core.fold import TaskState, TaskStatus, apply
 from halfway.journal.admin import cluster_id, ensure_topics_once_up, topic_partitions
 from halfway.journal.deadletters import DeadLetters
+from halfway.journal.follower import settled_for_good
 from halfway.journal.limits import fetch_limits
 from halfway.journal.records import InvalidRecord, decode
+from halfway.journal.sealed import SealedTasks
 from halfway.journal.writer import JournalWriter
 from halfway.projector import store
 from halfway.settings import KafkaSettings
@@ -58,6 +72,76 @@ BATCH_EVENTS_MAX = 2000
 # When idle, compare the stored offsets with ours this often, so a rebuild swapped in under a
 # quiet projector is noticed without waiting for the next event.
 VERIFY_INTERVAL_S = 2.0
+_ENDED = (TaskStatus.FINISHED, TaskStatus.REJECTED)
+
+
+class FromEnv:
+    """`seal_after_s` not given: HALFWAY_SEAL_AFTER_S (`settings.seal_after_s`)."""
+
+
+FROM_ENV = FromEnv()
+
+
+def seal_after(seal_after_s: float | FromEnv | None) -> timedelta | None:
+    seconds = env.seal_after_s() if isinstance(seal_after_s, FromEnv) else seal_after_s
+    return None if seconds is None else timedelta(seconds=seconds)
+
+
+class Sealing:
+    """One journal partition's sealing, by the follower's rule (`halfway.journal.follower`,
+    `settled_for_good`): a task that ended with every effect settled `after` before the `at` of
+    the partition's newest folded record is sealed, and its later events are not folded. It
+    depends only on the records and their order: the live projector, its replays and a rebuild
+    seal the same tasks at the same records."""
+
+    def __init__(self, number: int, after: timedelta | None) -> None:
+        self.number = number
+        self.after = after  # None: never seal
+        self.sealed = SealedTasks()  # this partition's only: 8 bytes a task
+        # Ended tasks in the order of their last event, (at, id), until sealed or found not
+        # settled: those that ended within `after` of the clock (live work, as the follower's).
+        self._ended: deque[tuple[datetime, str]] = deque()
+        self._ended_last: dict[str, datetime] = {}  # task id -> `at` of its newest entry
+
+    def has(self, task_id: str) -> bool:
+        return self.sealed.has(self.number, task_id)
+
+    def fold(self, states: MutableMapping[str, TaskState], event: Event,
+             ) -> tuple[TaskState | None, list[TaskState]]:
+        """Fold `event` into `states`, unless its task is sealed (late news: None). Also the
+        states of the tasks sealed at this record: still in `states` (the caller drops them,
+        once their rows are stored)."""
+        task_id = event.task_id
+        if self.has(task_id):
+            if not isinstance(event, TaskRequested):
+                return None, []  # nor does it move the clock, as in the follower
+            after = None  # (the follower folds a request, to refuse a second start)
+        else:
+            after = apply(states.get(task_id) or TaskState(task_id=task_id), event)
+            states[task_id] = after
+            if self.after is not None and after.status in _ENDED:
+                self._ended.append((event.at, task_id))
+                self._ended_last[task_id] = event.at
+        return after, self._due(event.at, states)
+
+    def _due(self, now: datetime, states: MutableMapping[str, TaskState]) -> list[TaskState]:
+        """Seal the tasks that ended `after` before `now`, settled for good (the follower's
+        `_seal_due`)."""
+        if self.after is None:
+            return []
+        out = []
+        while self._ended and self._ended[0][0] + self.after <= now:
+            at, task_id = self._ended.popleft()
+            if self._ended_last.get(task_id) != at:
+                continue  # it had news since: a later entry decides
+            del self._ended_last[task_id]
+            state = states.get(task_id)
+            if state is None or not settled_for_good(state):
+                continue  # needs attention, or an effect is open: its next event re-enters it
+            assert state.status is not None
+            self.sealed.add(self.number, task_id, state.status)
+            out.append(state)
+        return out
 
 
 @dataclass
@@ -65,16 +149,36 @@ class _Partition:
     """One journal partition this instance owns: its fold and what PostgreSQL has of it."""
 
     number: int
+    seals: Sealing
     written_to: int | None = None  # the stored next_offset; None until read from PostgreSQL
     position: int = 0  # every record below this offset is folded
     states: dict[str, TaskState] = field(default_factory=dict)
     changed_at: dict[str, int] = field(default_factory=dict)  # task -> offset of its last event
     dirty: set[str] = field(default_factory=set)  # tasks with an event at >= written_to
+    # Sealed, their fold kept until their rows are stored: dirty ones only, so no more than a
+    # batch's tasks (BATCH_EVENTS_MAX + FETCH_RECORDS_MAX).
+    sealing: set[str] = field(default_factory=set)
+    dropped_to: int = 0  # every dropped (sealed) task's last event is below this offset
 
     def resync(self, stored: int) -> None:
         """PostgreSQL holds `stored`: every task changed at or after it must be written."""
         self.written_to = stored
         self.dirty = {t for t, offset in self.changed_at.items() if offset >= stored}
+        self.drop_sealed(self.sealing - self.dirty)
+
+    def seal(self, task_id: str) -> None:
+        """The task is sealed: drop its fold now, or once its row is stored."""
+        if task_id in self.dirty:
+            self.sealing.add(task_id)
+        else:
+            self.drop_sealed({task_id})
+
+    def drop_sealed(self, task_ids: set[str]) -> None:
+        """Forget sealed tasks whose rows are stored."""
+        for task_id in task_ids:
+            self.sealing.discard(task_id)
+            del self.states[task_id]
+            self.dropped_to = max(self.dropped_to, self.changed_at.pop(task_id) + 1)
 
     @property
     def unwritten(self) -> int:
@@ -112,7 +216,8 @@ class _Listener(ConsumerRebalanceListener):
                 continue
             part = self._kept.pop(tp.partition, None)
             if part is None:
-                self.projector._partitions[tp.partition] = _Partition(tp.partition)
+                self.projector._partitions[tp.partition] = self.projector._new_partition(
+                    tp.partition)
                 new.append(tp)
             else:
                 part.written_to = None  # read again before the next record
@@ -130,13 +235,16 @@ class _Listener(ConsumerRebalanceListener):
 class Projector:
     def __init__(self, settings: KafkaSettings, dsn: str, schema: str = "halfway",
                  group: str | None = None, *, batch_events_max: int = BATCH_EVENTS_MAX,
-                 writer: JournalWriter | None = None) -> None:
-        """`writer` (started) writes the dead letters; without one, `run` starts its own."""
+                 writer: JournalWriter | None = None,
+                 seal_after_s: float | FromEnv | None = FROM_ENV) -> None:
+        """`writer` (started) writes the dead letters; without one, `run` starts its own.
+        `seal_after_s`: see `Sealing` (None: never seal; by default HALFWAY_SEAL_AFTER_S)."""
         self.settings = settings
         self.schema = store.checked(schema)
         self.group = group or f"{settings.topic_prefix}projector"  # one group per deployment
         self.topic = JOURNAL.name(settings.topic_prefix)
         self.batch_events_max = batch_events_max
+        self.seal_after = seal_after(seal_after_s)
         self._dsn = dsn
         self._partitions: dict[int, _Partition] = {}
         self._consumer: AIOKafkaConsumer | None = None
@@ -147,6 +255,10 @@ class Projector:
         self._dead_letters: DeadLetters | None = None
         self.batches = 0
         self.invalid = 0  # records that are not events, folded as nothing
+        self.late = 0  # events of sealed tasks, not folded
+
+    def _new_partition(self, number: int) -> _Partition:
+        return _Partition(number, Sealing(number, self.seal_after))
 
     @property
     def dead_letters(self) -> DeadLetters | None:
@@ -246,11 +358,19 @@ class Projector:
                 if record.offset >= part.written_to:
                     refused.append((record, exc.reason))
                 continue
-            state = part.states.get(event.task_id) or TaskState(task_id=event.task_id)
-            part.states[event.task_id] = apply(state, event)
-            part.changed_at[event.task_id] = record.offset
-            if record.offset >= part.written_to:
-                part.dirty.add(event.task_id)
+            after, sealed = part.seals.fold(part.states, event)
+            if after is None:
+                self.late += 1
+                if record.offset >= part.written_to:  # the first time past it
+                    self._log.info("late event of a sealed task: not folded",
+                                   task_id=event.task_id, type=event.type,
+                                   partition=part.number, offset=record.offset)
+            else:
+                part.changed_at[event.task_id] = record.offset
+                if record.offset >= part.written_to:
+                    part.dirty.add(event.task_id)
+            for state in sealed:
+                part.seal(state.task_id)
         return refused
 
     async def _adopt(self) -> None:
@@ -261,8 +381,9 @@ class Projector:
         assert self._conn is not None
         stored = await store.read_offsets(self._conn, self.schema, self.topic)
         for part in new:
-            part.resync(stored.get(part.number, 0))
-        self._log.info("stored offsets read", offsets={p.number: p.written_to for p in new})
+            self._resync_partition(part, stored.get(part.number, 0))
+        self._log.info("stored offsets read", offsets={p.number: stored.get(p.number, 0)
+                                                       for p in new})
 
     async def _advance_positions(self) -> None:
         # The consumer's position, not the last record's offset + 1: control records (from
@@ -290,6 +411,7 @@ class Projector:
         for part in parts:
             part.written_to = offsets[(self.topic, part.number)]
             part.dirty.clear()
+            part.drop_sealed(set(part.sealing))  # their rows are stored now
         self.batches += 1
 
     async def _verify(self) -> None:
@@ -308,7 +430,23 @@ class Projector:
         for (_, number), offset in stored.items():
             part = self._partitions.get(number)
             if part is not None:
-                part.resync(offset)
+                self._resync_partition(part, offset)
+
+    def _resync_partition(self, part: _Partition, stored: int) -> None:
+        """PostgreSQL holds `stored` for `part`: every task changed at or after it is written
+        again."""
+        if stored >= part.dropped_to or self._partitions.get(part.number) is not part:
+            part.resync(stored)  # (not ours any more: revoked while the offsets were read)
+            return
+        # A task dropped (sealed) changed at or after `stored`: its row must be written
+        # again, and only a replay from zero folds it again.
+        self._log.warning("a sealed task's row must be written again: replaying from zero",
+                          partition=part.number, stored=stored)
+        fresh = self._new_partition(part.number)
+        fresh.resync(stored)
+        self._partitions[part.number] = fresh
+        with contextlib.suppress(IllegalStateError):  # revoked meanwhile
+            self._kafka().seek(TopicPartition(self.topic, part.number), 0)
 
 
 async def journal_end_offsets(settings: KafkaSettings) -> dict[int, int]:
@@ -338,7 +476,8 @@ async def serve() -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, task.cancel)
-    projector = Projector(settings, env.pg_dsn(), schema=env.pg_schema())
+    projector = Projector(settings, env.pg_dsn(), schema=env.pg_schema(),
+                          seal_after_s=env.seal_after_s())
     try:
         await projector.run()
     except asyncio.CancelledError:
