@@ -88,6 +88,25 @@ async def test_late_news_of_a_sealed_task_is_not_folded() -> None:
     assert "old-1" not in f.states  # no state object is kept for it, only the status
 
 
+async def test_a_request_again_for_a_sealed_task_keeps_nothing() -> None:
+    """A caller may repeat a request safely; for a task over for good nothing is started, and
+    nothing of the request stays (it was held, and put in every snapshot, for good)."""
+    from halfway.contract.topics import TASKS
+
+    tasks_tp = TopicPartition(TASKS.name(SETTINGS.topic_prefix), 0)
+    f = unstarted(SETTINGS, "seal.decider", [TP, tasks_tp], seal_after_s=DAY.total_seconds(),
+                  side=TASKS)
+    feed(f, history())
+    again = Stamper("old-1", now=NOW).requested()
+    fresh = Stamper("new-1", now=NOW).requested()
+    f._apply(again, tasks_tp, 0)
+    f._apply(fresh, tasks_tp, 1)
+    assert "old-1" not in f.requests
+    assert "old-1" not in f._partitions[tasks_tp].tasks
+    assert "new-1" in f.requests  # a request for a task not sealed is kept as before
+    assert "new-1" in f._partitions[tasks_tp].tasks
+
+
 async def test_two_followers_fed_the_same_log_hold_the_same_states() -> None:
     events = history()
     first, second = follower(), follower()

@@ -81,6 +81,8 @@ OnEvent = Callable[[TaskState | None, TaskState, int], None]
 # ...and partitions (numbers) newly assigned, before their replay starts, or revoked.
 OnAssign = Callable[[set[int]], Awaitable[None]]
 OnRevoke = Callable[[set[int]], None]
+# ...and a task sealed (journal partition number, task id), once it reads as sealed.
+OnSeal = Callable[[int, str], None]
 # `HALFWAY_SNAPSHOTS=off`: never read or write snapshots (every restart replays from zero).
 SNAPSHOTS_ENV = "HALFWAY_SNAPSHOTS"
 RESTORE_BATCH = 2000  # items restored from an image between two yields to the loop
@@ -213,7 +215,8 @@ class JournalFollower:
                  on_revoke: OnRevoke | None = None, app_label: str | None = None,
                  seal_after_s: float | None = None, snapshots: bool = False,
                  wake_on_catch_up: Callable[[str], bool] | None = None,
-                 gather_ms: int = 0, side_at_once: bool = False) -> None:
+                 gather_ms: int = 0, side_at_once: bool = False,
+                 on_seal: OnSeal | None = None) -> None:
         assert side in (None, TASKS, WEBHOOKS), "side topics must be keyed by task id"
         assert not (snapshots and on_event), "a restored state skips the per-event hook"
         topics: tuple[TopicSpec, ...] = (JOURNAL,) if side is None else (JOURNAL, side)
@@ -231,6 +234,7 @@ class JournalFollower:
         self._on_event = on_event
         self._on_assign = on_assign
         self._on_revoke = on_revoke
+        self._on_seal = on_seal
         self._log = log.get("halfway.follower", group=group)
         self.sealed = SealedTasks()  # task id -> how it ended; only that is kept
         # Restored from a snapshot over and settled for good, not decoded (yet): see `_wake`.
@@ -558,6 +562,10 @@ class JournalFollower:
                 self._log.warning("webhooks paused until the journal catches up",
                                   partition=tp.partition, held=len(held))
             return
+        if tp.topic != self._journal and self.sealed.has(tp.partition, event.task_id):
+            # A request again for a task over for good: nothing to start, so nothing is kept
+            # (held, it would stay in every snapshot: nothing seals a task twice).
+            return
         part.tasks.add(event.task_id)
         part.since_snapshot += 1
         if isinstance(event, StepSettled):
@@ -665,6 +673,8 @@ class JournalFollower:
         for tp, part in self._partitions.items():  # its id is kept in `sealed` only
             if tp.partition == number:
                 part.tasks.discard(task_id)
+        if self._on_seal is not None:
+            self._on_seal(number, task_id)
 
     def _not_before_adoption(self, deliveries: list[Delivery],
                              adoptions: int) -> list[Delivery]:
