@@ -214,7 +214,7 @@ class Decider:
             self.follower.touch(record.task_id)  # a claim of one of ours: is it abandoned?
         if isinstance(record, SubjectReleased):
             for task_id in self._waiting.pop((record.tool, record.subject), ()):
-                del self._waits_on[task_id]
+                self._waits_on.pop(task_id, None)
                 self.follower.touch(task_id)
 
     async def _on_change(self, task_ids: set[str]) -> None:
