@@ -111,8 +111,9 @@ def view(f: JournalFollower) -> dict[str, Any]:
     assert not f.dormant
     return {"states": f.states, "sealed": f.sealed, "requests": f.requests,
             "first_attempt": f.first_attempt,
-            "ended": {n: list(d) for n, d in f._ended.items() if d},  # an empty queue is none
-            "ended_last": f._ended_last, "history": f._history,
+            # An empty queue is none; a task's newest end is only ever one of the queue's.
+            "ended": {n: (e.entries(), e._last) for n, e in f._ended.items() if e.entries()},
+            "history": f._history,
             "applied_to": {tp: p.applied_to for tp, p in f._partitions.items()}}
 
 

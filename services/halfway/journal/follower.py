@@ -69,7 +69,7 @@ from halfway.journal import snapshots as snaps
 from halfway.journal.reader import EventConsumer, Wake
 from halfway.journal.records import Delivery
 from halfway.journal.replay import partition_of
-from halfway.journal.sealed import SealedTasks
+from halfway.journal.sealed import EndedTasks, SealedTasks
 from halfway.journal.shared_fold import shared_folds
 from halfway.journal.writer import JournalWriter, local_appends
 from halfway.settings import KafkaSettings
@@ -270,9 +270,8 @@ class JournalFollower:
         self._committed_at_s = 0.0
         self.on_give_up: Callable[[str, BaseException], Awaitable[None]] | None = None
         self._seal_after = None if seal_after_s is None else timedelta(seconds=seal_after_s)
-        # Per journal partition, ended tasks in the order their last event came: (at, id).
-        self._ended: dict[int, deque[tuple[datetime, str]]] = {}
-        self._ended_last: dict[str, datetime] = {}  # task id -> `at` of its newest entry
+        # Per journal partition, ended tasks in the order their last event came.
+        self._ended: dict[int, EndedTasks] = {}
         # The same, waiting to go dormant (snapshots only: dormant tasks need their history).
         self._quieting: dict[int, deque[tuple[datetime, str]]] = {}
         # Snapshots: the journal records folded into each task's state since it was last
@@ -589,9 +588,10 @@ class JournalFollower:
                 self._on_event(before, after, tp.partition)
             if self._seal_after is not None:
                 if after.status in (TaskStatus.FINISHED, TaskStatus.REJECTED):
-                    self._ended.setdefault(tp.partition, deque()).append(
-                        (event.at, event.task_id))
-                    self._ended_last[event.task_id] = event.at
+                    ended = self._ended.get(tp.partition)
+                    if ended is None:
+                        ended = self._ended[tp.partition] = EndedTasks()
+                    ended.add(event.at, event.task_id)
                     if self.snapshots:
                         self._quieting.setdefault(tp.partition, deque()).append(
                             (event.at, event.task_id))
@@ -624,11 +624,7 @@ class JournalFollower:
         (the `at` of the record just folded) with every effect settled."""
         assert self._seal_after is not None
         ended = self._ended.get(number)
-        while ended and ended[0][0] + self._seal_after <= now:
-            at, task_id = ended.popleft()
-            if self._ended_last.get(task_id) != at:
-                continue  # it had news since: a later entry decides
-            del self._ended_last[task_id]
+        for task_id in ended.due(now, self._seal_after) if ended is not None else ():
             dormant = self.dormant.pop(task_id, None)
             if dormant is not None:  # no news since the snapshot: settled for good still
                 self._seal(number, task_id, TaskStatus(dormant.status))
@@ -655,9 +651,10 @@ class JournalFollower:
         """Keep the tasks of journal partition `number` that ended DORMANT_AFTER_S before
         `now`, settled for good and without news since, as bytes (see `_wake_task`)."""
         quieting = self._quieting.get(number)
+        ended = self._ended.get(number)
         while quieting and quieting[0][0] + _DORMANT_AFTER <= now:
             at, task_id = quieting.popleft()
-            if self._ended_last.get(task_id) != at or task_id in self.dormant:
+            if ended is None or not ended.is_last(task_id, at) or task_id in self.dormant:
                 continue  # sealed, news since, or dormant already
             state = dict.get(self.states, task_id)
             history = self._history.get(task_id)
@@ -875,7 +872,6 @@ class JournalFollower:
                     for key in (step.intent.key, *step.undo_keys):
                         self.first_attempt.pop(key, None)
                 self._awaiting.pop(task_id, None)
-                self._ended_last.pop(task_id, None)
                 self._dirty.discard(task_id)
                 self._failures.pop(task_id, None)
                 if (handle := self._retries.pop(task_id, None)) is not None:
@@ -989,9 +985,7 @@ class JournalFollower:
             if side is not None:
                 side.tasks.add(request.task_id)
         if image.ended:
-            self._ended[tp.partition] = deque(image.ended)
-            for at, task_id in image.ended:
-                self._ended_last[task_id] = at
+            self._ended[tp.partition] = EndedTasks(image.ended)
         part.applied_to = image.journal_next - 1
         if image.format < snaps.FORMAT:  # written by the build before: rewrite it once caught up
             part.since_snapshot = snaps.EVERY_RECORDS
@@ -1027,7 +1021,8 @@ class JournalFollower:
         return snaps.Image(partition=number, journal_next=part.applied_to + 1,
                            side_next=side_next, events=events, requests=requests,
                            sealed=self.sealed.packed(number),
-                           ended=list(self._ended.get(number, ())),
+                           ended=self._ended[number].entries() if number in self._ended
+                           else [],
                            dormant=dormant,
                            quiet=[(t, str(status[t]), self._history[t], self.requests.get(t))
                                   for t in quiet])

@@ -18,6 +18,9 @@ import functools
 import sys
 from array import array
 from bisect import bisect_left
+from collections import deque
+from collections.abc import Iterable, Iterator
+from datetime import datetime, timedelta
 from hashlib import blake2b
 
 from halfway.core.fold import TaskStatus
@@ -137,3 +140,38 @@ def unpack(packed: bytes, *, check: bool = True) -> array[int]:
     if check and values != array("Q", sorted(values)):  # (sorted input sorts in one pass)
         raise ValueError("sealed digests are not in ascending order")
     return values
+
+
+class EndedTasks:
+    """One journal partition's tasks that ended (finished or rejected), in the order of their
+    ends by the journal's clock (`at`), until they are due to be sealed: the one rule for when
+    a task is sealed, shared by the services' followers and the projector. A task with news
+    after it ended ends again later; only its newest end counts."""
+
+    def __init__(self, entries: Iterable[tuple[datetime, str]] = ()) -> None:
+        self._queue: deque[tuple[datetime, str]] = deque()
+        self._last: dict[str, datetime] = {}  # task id -> `at` of its newest end
+        for at, task_id in entries:
+            self.add(at, task_id)
+
+    def add(self, at: datetime, task_id: str) -> None:
+        self._queue.append((at, task_id))
+        self._last[task_id] = at
+
+    def is_last(self, task_id: str, at: datetime) -> bool:
+        """`at` is the task's newest end, not yet due."""
+        return self._last.get(task_id) == at
+
+    def due(self, now: datetime, after: timedelta) -> Iterator[str]:
+        """The tasks whose newest end is `after` before `now`, oldest first, each once: they
+        leave the queue (the caller seals those settled for good; another end re-enters one)."""
+        queue = self._queue
+        while queue and queue[0][0] + after <= now:
+            at, task_id = queue.popleft()
+            if self._last.get(task_id) == at:  # else it had news since: a later entry decides
+                del self._last[task_id]
+                yield task_id
+
+    def entries(self) -> list[tuple[datetime, str]]:
+        """The queue as it is (a snapshot's image holds it)."""
+        return list(self._queue)

@@ -38,7 +38,6 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections import deque
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -58,7 +57,7 @@ from halfway.journal.deadletters import DeadLetters
 from halfway.journal.follower import settled_for_good
 from halfway.journal.limits import fetch_limits
 from halfway.journal.records import InvalidRecord, decode
-from halfway.journal.sealed import SealedTasks
+from halfway.journal.sealed import EndedTasks, SealedTasks
 from halfway.journal.writer import JournalWriter
 from halfway.projector import store
 from halfway.settings import KafkaSettings
@@ -98,10 +97,7 @@ class Sealing:
         self.number = number
         self.after = after  # None: never seal
         self.sealed = SealedTasks()  # this partition's only: 8 bytes a task
-        # Ended tasks in the order of their last event, (at, id), until sealed or found not
-        # settled: those that ended within `after` of the clock (live work, as the follower's).
-        self._ended: deque[tuple[datetime, str]] = deque()
-        self._ended_last: dict[str, datetime] = {}  # task id -> `at` of its newest entry
+        self.ended = EndedTasks()  # those that ended within `after` of the clock: live work
 
     def has(self, task_id: str) -> bool:
         return self.sealed.has(self.number, task_id)
@@ -120,21 +116,16 @@ class Sealing:
             after = apply(states.get(task_id) or TaskState(task_id=task_id), event)
             states[task_id] = after
             if self.after is not None and after.status in _ENDED:
-                self._ended.append((event.at, task_id))
-                self._ended_last[task_id] = event.at
+                self.ended.add(event.at, task_id)
         return after, self._due(event.at, states)
 
     def _due(self, now: datetime, states: MutableMapping[str, TaskState]) -> list[TaskState]:
-        """Seal the tasks that ended `after` before `now`, settled for good (the follower's
-        `_seal_due`)."""
+        """Seal the tasks due (`EndedTasks.due`, as the follower does) that are settled for
+        good."""
         if self.after is None:
             return []
         out = []
-        while self._ended and self._ended[0][0] + self.after <= now:
-            at, task_id = self._ended.popleft()
-            if self._ended_last.get(task_id) != at:
-                continue  # it had news since: a later entry decides
-            del self._ended_last[task_id]
+        for task_id in self.ended.due(now, self.after):
             state = states.get(task_id)
             if state is None or not settled_for_good(state):
                 continue  # needs attention, or an effect is open: its next event re-enters it
