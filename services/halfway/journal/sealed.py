@@ -19,7 +19,7 @@ import sys
 from array import array
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from datetime import datetime, timedelta
 from hashlib import blake2b
 
@@ -162,15 +162,18 @@ class EndedTasks:
         """`at` is the task's newest end, not yet due."""
         return self._last.get(task_id) == at
 
-    def due(self, now: datetime, after: timedelta) -> Iterator[str]:
+    def due(self, now: datetime, after: timedelta) -> list[str]:
         """The tasks whose newest end is `after` before `now`, oldest first, each once: they
-        leave the queue (the caller seals those settled for good; another end re-enters one)."""
+        leave the queue (the caller seals those settled for good; another end re-enters one).
+        Asked at every record folded: nothing is due, most of the time, at one comparison."""
         queue = self._queue
+        out: list[str] = []
         while queue and queue[0][0] + after <= now:
             at, task_id = queue.popleft()
             if self._last.get(task_id) == at:  # else it had news since: a later entry decides
                 del self._last[task_id]
-                yield task_id
+                out.append(task_id)
+        return out
 
     def entries(self) -> list[tuple[datetime, str]]:
         """The queue as it is (a snapshot's image holds it)."""
