@@ -51,6 +51,7 @@ from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 from aiokafka import ConsumerRebalanceListener, TopicPartition
 
@@ -76,11 +77,20 @@ from halfway.settings import KafkaSettings
 
 OnChange = Callable[[set[str]], Awaitable[None]]
 # Optional hooks for services that must see every step of the fold, not only which tasks
-# changed in a batch (the outcomes publisher): each applied event's before and after state...
-OnEvent = Callable[[TaskState | None, TaskState, int], None]
-# ...and partitions (numbers) newly assigned, before their replay starts, or revoked.
+# changed in a batch (the outcomes publisher): each event folded, with its task's state before
+# and after, its journal partition and offset (a restore and a dormant task's waking fold its
+# history again: those offsets come again, in order)...
+OnEvent = Callable[[TaskState | None, TaskState, int, int], None]
+# ...and partitions (numbers) about to be read from offset zero, or revoked.
 OnAssign = Callable[[set[int]], Awaitable[None]]
 OnRevoke = Callable[[set[int]], None]
+# ...and a partition about to be restored from its image (its number, the image's journal
+# offset, what the service put in it with `OnImage`, or None): it returns the tasks restored
+# dormant to wake at once.
+OnRestore = Callable[[int, int, dict[str, Any] | None], Awaitable[set[str]]]
+# ...and what to put in the image of a partition taken now; None: no image now (tried again
+# after the next batch).
+OnImage = Callable[[int], dict[str, Any] | None]
 # ...and a task sealed (journal partition number, task id), once it reads as sealed.
 OnSeal = Callable[[int, str], None]
 # `HALFWAY_SNAPSHOTS=off`: never read or write snapshots (every restart replays from zero).
@@ -216,9 +226,9 @@ class JournalFollower:
                  seal_after_s: float | None = None, snapshots: bool = False,
                  wake_on_catch_up: Callable[[str], bool] | None = None,
                  gather_ms: int = 0, side_at_once: bool = False,
-                 on_seal: OnSeal | None = None) -> None:
+                 on_seal: OnSeal | None = None, on_restore: OnRestore | None = None,
+                 on_image: OnImage | None = None) -> None:
         assert side in (None, TASKS, WEBHOOKS), "side topics must be keyed by task id"
-        assert not (snapshots and on_event), "a restored state skips the per-event hook"
         topics: tuple[TopicSpec, ...] = (JOURNAL,) if side is None else (JOURNAL, side)
         self.group = group
         self._settings = settings
@@ -235,6 +245,8 @@ class JournalFollower:
         self._on_assign = on_assign
         self._on_revoke = on_revoke
         self._on_seal = on_seal
+        self._on_restore = on_restore
+        self._on_image = on_image
         self._log = log.get("halfway.follower", group=group)
         self.sealed = SealedTasks()  # task id -> how it ended; only that is kept
         # Restored from a snapshot over and settled for good, not decoded (yet): see `_wake`.
@@ -583,9 +595,7 @@ class JournalFollower:
                 event, TaskRequested):
             return  # late news of a sealed task: not folded (see the module docstring)
         else:
-            before, after = self._fold(event, offset)
-            if self._on_event is not None and after is not before:
-                self._on_event(before, after, tp.partition)
+            _, after = self._fold(event, offset, tp.partition)
             if self._seal_after is not None:
                 if after.status in (TaskStatus.FINISHED, TaskStatus.REJECTED):
                     ended = self._ended.get(tp.partition)
@@ -599,7 +609,8 @@ class JournalFollower:
                 self._quiet_due(tp.partition, event.at)
         self._dirty.add(event.task_id)
 
-    def _fold(self, event: Event, offset: int) -> tuple[TaskState | None, TaskState]:
+    def _fold(self, event: Event, offset: int,
+              partition: int) -> tuple[TaskState | None, TaskState]:
         """Fold one journal record into its task's state (and the snapshot's history)."""
         if isinstance(event, StepAttempted | CompensationAttempted):
             self.first_attempt.setdefault(event.key, offset)
@@ -608,16 +619,27 @@ class JournalFollower:
         self.states[event.task_id] = after
         if self.snapshots:
             self._history.setdefault(event.task_id, []).append((offset, event))
+        if self._on_event is not None and after is not before:
+            self._on_event(before, after, partition, offset)
         return before, after
 
-    def _wake_task(self, task_id: str) -> None:
+    def _wake_task(self, task_id: str, partition: int | None = None) -> None:
         """Decode and fold a dormant task's events (news of it came, or a service asked)."""
         dormant = self.dormant.pop(task_id)
         history, request = dormant.decode()
         if request is not None:
             self.requests.setdefault(task_id, request)
+        if partition is None:
+            partition = self._journal_partition_of(task_id)
         for offset, event in history:
-            self._fold(event, offset)
+            self._fold(event, offset, partition)
+
+    def _journal_partition_of(self, task_id: str) -> int:
+        for tp, part in self._partitions.items():
+            if tp.topic == self._journal and task_id in part.tasks:
+                return tp.partition
+        count = len(self._consumer.kafka.partitions_for_topic(self._journal) or ())
+        return partition_of(task_id.encode(), count) if count else -1
 
     def _seal_due(self, number: int, now: datetime) -> None:
         """Seal the tasks of journal partition `number` that ended `seal_after` before `now`
@@ -882,25 +904,30 @@ class JournalFollower:
         new = [tp for tp in assigned if tp not in self._partitions]
         if not new:
             return
+        # Partitions that may have a snapshot are paused and restored in the background, each
+        # served as soon as its image is in (a restart acts on one partition's tasks without
+        # waiting for every image); the others are read from zero at once.
+        candidates = self._snapshot_candidates(new)
+        # Those without a snapshot are read from zero at once, with the others not loading.
+        committed = await snaps.snapshotted(self._settings, self.group, candidates) \
+            if candidates else {}
+        candidates = [tp for tp in candidates if tp in committed]
+        numbers = {tp.partition for tp in candidates}
         if self._on_assign is not None:
-            await self._on_assign({tp.partition for tp in new if tp.topic == self._journal})
+            await self._on_assign({tp.partition for tp in new
+                                   if tp.topic == self._journal and tp.partition not in numbers})
         ends = await kafka.end_offsets(new)
         parts = {tp: _Partition(end_at_assign=ends[tp]) for tp in new}
         for tp in new:
             if tp.topic == self._webhooks:
                 parts[tp].noticed_to = await kafka.committed(tp) or 0
-        # Partitions that may have a snapshot are paused and restored in the background, each
-        # served as soon as its image is in (a restart acts on one partition's tasks without
-        # waiting for every image); the others are read from zero at once.
-        candidates = self._snapshot_candidates(new)
-        numbers = {tp.partition for tp in candidates}
         later = {tp: part for tp, part in parts.items() if tp.partition in numbers}
         for number in numbers:
             self._loading[number] = {tp: part for tp, part in later.items()
                                      if tp.partition == number}
         if later:
             self._consumer.pause(*later)
-            loader = asyncio.create_task(self._load(candidates))
+            loader = asyncio.create_task(self._load(candidates, committed))
             self._loaders.add(loader)
             loader.add_done_callback(self._loaders.discard)
         self._serve({tp: part for tp, part in parts.items() if tp not in later}, {})
@@ -935,17 +962,26 @@ class JournalFollower:
         return [tp for tp in new if tp.topic == self._journal
                 and (self._side is None or TopicPartition(self._side, tp.partition) in new)]
 
-    async def _load(self, journal: list[TopicPartition]) -> None:
+    async def _load(self, journal: list[TopicPartition],
+                    committed: dict[TopicPartition, tuple[int, str]]) -> None:
         """Restore each partition from its image as it is read (or, without a usable one,
         read it from zero), then resume it. A partition revoked meanwhile is dropped."""
-        async for number, image in snaps.load_each(self._settings, self.group, journal):
+        async for number, image in snaps.load_each(self._settings, self.group, journal,
+                                                   committed):
             parts = self._loading.get(number)
             if parts is None:
                 continue  # revoked while its image was read
             tp = TopicPartition(self._journal, number)
             starts: dict[TopicPartition, int] = {}
+            wake: set[str] = set()
+            if image is None and self._on_assign is not None:
+                await self._on_assign({number})
+            elif image is not None and self._on_restore is not None:
+                wake = await self._on_restore(number, image.journal_next, image.service)
+            if self._loading.get(number) is not parts:
+                continue  # revoked meanwhile
             if image is not None:
-                await self._restore(tp, image, parts)
+                await self._restore(tp, image, parts, wake)
                 if self._loading.get(number) is not parts:  # revoked while restoring
                     for revoked_tp, part in parts.items():
                         self._drop(revoked_tp, part)
@@ -963,10 +999,11 @@ class JournalFollower:
                            "partition read from zero", partition=number)
 
     async def _restore(self, tp: TopicPartition, image: snaps.Image,
-                       parts: dict[TopicPartition, _Partition]) -> None:
+                       parts: dict[TopicPartition, _Partition],
+                       wake: set[str] | frozenset[str] = frozenset()) -> None:
         """The state the journal before `image.journal_next` gives, from its image, into the
-        partitions being adopted. Yields to the loop every RESTORE_BATCH items: the consumer's
-        heartbeat goes on meanwhile."""
+        partitions being adopted; the dormant tasks in `wake` decoded. Yields to the loop every
+        RESTORE_BATCH items: the consumer's heartbeat goes on meanwhile."""
         part = parts[tp]
         self.sealed.restore(tp.partition, image.sealed, checked=True)  # by snaps.decode
         for dormant in image.dormant:
@@ -975,10 +1012,12 @@ class JournalFollower:
             part.tasks.add(dormant.task_id)
         await asyncio.sleep(0)
         for i, (offset, event) in enumerate(image.events):
-            self._fold(event, offset)
+            self._fold(event, offset, tp.partition)
             part.tasks.add(event.task_id)
             if i % RESTORE_BATCH == RESTORE_BATCH - 1:
                 await asyncio.sleep(0)
+        for task_id in wake & self.dormant.keys():
+            self._wake_task(task_id, tp.partition)
         side = None if self._side is None else parts.get(TopicPartition(self._side, tp.partition))
         for request in image.requests:
             self.requests.setdefault(request.task_id, request)
@@ -991,8 +1030,10 @@ class JournalFollower:
             part.since_snapshot = snaps.EVERY_RECORDS
         self.restored[tp.partition] = image.journal_next
 
-    def image(self, number: int) -> snaps.Image | None:
-        """The image of journal partition `number` now (between two batches), if owned."""
+    def image(self, number: int,
+              service: dict[str, Any] | None = None) -> snaps.Image | None:
+        """The image of journal partition `number` now (between two batches), if owned, with
+        what the service keeps in it (`OnImage`)."""
         tp = TopicPartition(self._journal, number)
         part = self._partitions.get(tp)
         if part is None:
@@ -1025,7 +1066,8 @@ class JournalFollower:
                            else [],
                            dormant=dormant,
                            quiet=[(t, str(status[t]), self._history[t], self.requests.get(t))
-                                  for t in quiet])
+                                  for t in quiet],
+                           service=service)
 
     def _maybe_snapshot(self) -> None:
         """Start writing one due snapshot (one at a time, in the background)."""
@@ -1044,7 +1086,10 @@ class JournalFollower:
                     or (part.since_snapshot and age_s >= self._snapshot_every_s)
                     or age_s >= snaps.REFRESH_S):
                 continue
-            image = self.image(tp.partition)
+            service = None if self._on_image is None else self._on_image(tp.partition)
+            if self._on_image is not None and service is None:
+                continue  # the service has none now: the next batch asks again
+            image = self.image(tp.partition, service)
             assert image is not None
             part.since_snapshot, part.snapshot_s = 0, now_s
             self._snapshotting = asyncio.create_task(self._write_snapshot(tp, image))

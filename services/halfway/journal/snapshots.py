@@ -161,6 +161,9 @@ class Image:
     dormant: list[Dormant] = field(default_factory=list)  # as read, or kept since
     quiet: list[Quiet] = field(default_factory=list)  # dormant since, encoded with the image
     format: int = FORMAT  # of the bytes it was read from
+    # What the service keeps with the image (JSON; the follower's `OnImage`): the outcomes
+    # publisher's knowledge of its own topic.
+    service: dict[str, Any] | None = None
 
 
 class UnusableSnapshot(Exception):
@@ -172,9 +175,12 @@ def encode(image: Image) -> bytes:
     ended tasks (binary columns: a restart parses them in a few milliseconds) compressed; the
     dormant tasks' payloads (compressed each) and the sealed digests (random) as they are."""
     dormant = [*image.dormant, *(Dormant.of(*q) for q in image.quiet)]
-    header = {"v": FORMAT, "partition": image.partition, "journal_next": image.journal_next,
-              "side_next": image.side_next, "offsets": [o for o, _ in image.events],
-              "dormant": len(dormant), "ended": len(image.ended)}
+    header: dict[str, Any] = {
+        "v": FORMAT, "partition": image.partition, "journal_next": image.journal_next,
+        "side_next": image.side_next, "offsets": [o for o, _ in image.events],
+        "dormant": len(dormant), "ended": len(image.ended)}
+    if image.service is not None:
+        header["service"] = image.service
     firsts = [pair for d in dormant for pair in d.first_attempts]
     columns = [
         _ids(d.task_id for d in dormant),
@@ -279,11 +285,17 @@ def decode(blob: bytes) -> Image:
             side_next=None if header["side_next"] is None else int(header["side_next"]),
             events=list(zip(offsets, events, strict=True)),
             requests=_REQUESTS.validate_json(parts[2]), sealed=sealed, ended=ended,
-            dormant=dormant, format=int(version))
+            dormant=dormant, format=int(version), service=_service(header.get("service")))
     except UnusableSnapshot:
         raise
     except Exception as exc:  # zlib, struct, JSON or validation: a corrupt image
         raise UnusableSnapshot(f"corrupt image: {type(exc).__name__}: {str(exc)[:300]}") from exc
+
+
+def _service(value: Any) -> dict[str, Any] | None:
+    if value is not None and not isinstance(value, dict):
+        raise UnusableSnapshot("the service's part is not an object")
+    return value
 
 
 def _index(header: dict[str, Any], columns: list[bytes],
@@ -443,18 +455,28 @@ async def read(settings: KafkaSettings, group: str, partition: int, pointer: Poi
     return blob
 
 
-async def load_each(settings: KafkaSettings, group: str,
-                    tps: list[TopicPartition]) -> AsyncIterator[tuple[int, Image | None]]:
-    """(partition, its usable image or None) for each journal partition in `tps`, in the
-    order they are read: a follower serves each one as soon as it is restored. None: replay
-    that partition from zero."""
-    logger = log.get("halfway.snapshots", group=group)
+async def snapshotted(settings: KafkaSettings, group: str, tps: list[TopicPartition],
+                      ) -> dict[TopicPartition, tuple[int, str]]:
+    """`pointers`, of the partitions that have one (none if they cannot be fetched: logged)."""
     try:
         committed = await pointers(settings, group, tps)
     except Exception as exc:
-        logger.warning("no snapshots read: the group's commits could not be fetched",
-                       error=f"{type(exc).__name__}: {exc}"[:300])
-        committed = {}
+        log.get("halfway.snapshots", group=group).warning(
+            "no snapshots read: the group's commits could not be fetched",
+            error=f"{type(exc).__name__}: {exc}"[:300])
+        return {}
+    return {tp: pointer for tp, pointer in committed.items() if pointer[1]}
+
+
+async def load_each(settings: KafkaSettings, group: str, tps: list[TopicPartition],
+                    committed: dict[TopicPartition, tuple[int, str]] | None = None,
+                    ) -> AsyncIterator[tuple[int, Image | None]]:
+    """(partition, its usable image or None) for each journal partition in `tps`, in the
+    order they are read: a follower serves each one as soon as it is restored. None: replay
+    that partition from zero. `committed`: their `snapshotted` pointers, if fetched already."""
+    logger = log.get("halfway.snapshots", group=group)
+    if committed is None:
+        committed = await snapshotted(settings, group, tps)
 
     at_once = asyncio.Semaphore(READS_AT_ONCE)
 

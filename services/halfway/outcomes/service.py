@@ -10,11 +10,22 @@ Every event, not every batch: the follower reports changed tasks once per fetch,
 may hold `unknown` and `done` of the same step; users must see the `unknown` too, and the
 numbering must not depend on how records happened to be batched.
 
-Restarts and rebalances: on every assignment the follower replays the journal partition from
-offset zero. Before that, this service reads the outcomes partition of the same number (both
-topics are keyed by task id with the same partition count) to its end and keeps the highest seq
-already published per subject; only changes numbered higher are published again. What was read
-of a subject is kept only until the replay's numbering reaches it (then the replay knows more).
+Restarts and rebalances: on an assignment the follower restores each journal partition from
+its snapshot (`halfway.journal.snapshots`) and reads the journal after it, or, without a usable
+one, replays it from offset zero. Before that, this service reads the outcomes partition of the
+same number (both topics are keyed by task id with the same partition count) to its end and
+keeps the highest seq already published per subject; only changes numbered higher are published
+again. What was read of a subject is kept only until the numbering reaches it (then the journal
+knows more). From zero, the whole partition is read. From a snapshot, only its end: the image
+holds, beside the follower's state, what this service knew of its topic when it was taken
+(`_image`): the outcomes offset at or past which every message it had not seen acknowledged
+lands (`outcomes_from`), and, per task with messages not acknowledged yet, each such subject's
+highest seq that was (`unsent`). The restore folds the open tasks' events again, and their
+changes are numbered again (the same numbers: a task's history is whole in the image); a change
+from before the image is on the topic unless `unsent` says otherwise, and then the read of the
+outcomes partition from `outcomes_from` says whether it got there since. Tasks restored dormant
+with messages unsent are woken at once, so their messages are sent. No image is taken while a
+sealed task of the partition owes messages (the image keeps nothing of it to send them from).
 
 Memory follows live work (`HALFWAY_SEAL_AFTER_S`): the follower seals a task over for good (see
 `halfway.journal.follower`), and this service then forgets it too (its numbering and what was
@@ -45,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,6 +99,7 @@ class _Task:
     pending: list[OutcomeChanged] = field(default_factory=list)
     sealed: bool = False  # the follower sealed it: forgotten once `pending` is sent
     sending: bool = False  # one `_publish` at a time sends `pending` (in order)
+    folded_to: int = -1  # journal offset of its last event numbered
 
 
 class OutcomesPublisher:
@@ -99,18 +112,27 @@ class OutcomesPublisher:
         group = group or f"{settings.topic_prefix}outcomes"  # one group per deployment
         # Every event, not every batch: one fetch may hold both `unknown` and `done` for a
         # step, and users must see both, numbered the same way after any restart.
-        # Sealing, never snapshots: a restored state would skip `_observe`'s numbering.
         self.follower = JournalFollower(settings, group=group, writer=writer,
                                         on_change=self._on_change, on_event=self._observe,
                                         on_assign=self._load_published,
+                                        on_restore=self._restoring, on_image=self._image,
                                         on_revoke=self._forget, on_seal=self._sealed,
-                                        seal_after_s=env.seal_after_s())
+                                        seal_after_s=env.seal_after_s(), snapshots=True)
         self._tasks: dict[str, _Task] = {}
         # Highest seq on the outcomes topic when the partition was assigned, for what the
         # replay has not numbered yet: partition -> task -> about -> seq, for the partitions we
         # own (an outcomes partition holds the tasks of the same journal one). See the module
         # docstring for how long an entry stays.
         self._published: dict[int, dict[str, dict[str, int]]] = {}
+        # Partitions restored from an image: the image's journal offset (changes from records
+        # before it are on the topic, but for `_unsent`'s)...
+        self._restored_at: dict[int, int] = {}
+        # ...and, from the image, per task, each subject's highest seq on the topic then, for
+        # subjects with messages not acknowledged then. Kept until the task is sealed.
+        self._unsent: dict[int, dict[str, dict[str, int]]] = {}
+        # Per outcomes partition: every message of ours not acknowledged yet lands at or past
+        # this offset (the end read at assignment, then past each acknowledgement).
+        self._topic_next: dict[int, int] = {}
         # Sealed tasks with messages not on the topic yet: the follower reports them no more.
         self._owed: dict[str, _Task] = {}
         self._owed_due = asyncio.Event()
@@ -129,19 +151,28 @@ class OutcomesPublisher:
 
     # -- called by the follower ------------------------------------------------------------
 
-    def _observe(self, before: TaskState | None, after: TaskState, partition: int) -> None:
+    def _observe(self, before: TaskState | None, after: TaskState, partition: int,
+                 offset: int) -> None:
         task = self._tasks.get(after.task_id)
+        if task is not None and offset <= task.folded_to:
+            return  # its history folded again (a dormant task woken): numbered already
         if (task is None and before is not None) or (task is not None and task.sealed):
             # Sealed: the follower folds nothing more of it but a request, which users are not
             # told of; its numbering is gone (from 1 again, it would reuse ids).
             return
         if before is None or task is None:
-            # The follower folds this task from scratch (first event, or a replay after a
-            # reassignment): so does the numbering.
+            # The follower folds this task from scratch (first event, a replay after a
+            # reassignment, a restore, a dormant task woken): so does the numbering.
             task = self._tasks[after.task_id] = _Task(partition)
+        task.folded_to = offset
         read = self._published.get(partition, {}).get(after.task_id)
+        # Before the image: on the topic then, but for the subjects it says were not yet.
+        unsent = (self._unsent.get(partition, {}).get(after.task_id, {})
+                  if offset < self._restored_at.get(partition, 0) else None)
         for change in changes(before, after):
             message = task.sequencer.number(change)
+            if unsent is not None and message.seq <= unsent.get(message.about, message.seq):
+                continue
             if read is not None and message.about in read:
                 on_topic = read[message.about]
                 if message.seq >= on_topic:
@@ -152,16 +183,56 @@ class OutcomesPublisher:
         if read is not None and not read:
             del self._published[partition][after.task_id]
 
-    async def _load_published(self, partitions: set[int]) -> None:
+    async def _restoring(self, partition: int, journal_next: int,
+                         service: dict[str, Any] | None) -> set[str]:
+        """The follower restores `partition` from its image: read the outcomes partition from
+        where the image says messages not known then can be. Returns the tasks to wake (those
+        with messages not known to be on the topic then)."""
+        try:
+            assert service is not None, "the image has no outcomes part"
+            since = int(service["outcomes_from"])
+            unsent = {str(task_id): {str(about): int(seq) for about, seq in subjects.items()}
+                      for task_id, subjects in service["unsent"].items()}
+        except Exception as exc:
+            # Not an image of ours as it should be: every change of the restored tasks is
+            # compared with the whole partition (duplicates at worst, never a gap).
+            self._log.warning("snapshot without the outcomes' part; the topic is read whole",
+                              partition=partition, error=repr(exc)[:LOGGED_REASON_CHARS_MAX])
+            await self._load_published({partition})
+            return set()
+        self._restored_at[partition] = journal_next
+        self._unsent[partition] = unsent
+        await self._load_published({partition}, since={partition: since})
+        return set(unsent)
+
+    def _image(self, partition: int) -> dict[str, Any] | None:
+        """What the partition's image keeps of this service (see the module docstring), or
+        None while a sealed task of it owes messages."""
+        if any(task.partition == partition for task in self._owed.values()):
+            return None
+        unsent: dict[str, dict[str, int]] = {}
+        for task_id, task in self._tasks.items():
+            if task.partition == partition and task.pending:
+                # A subject's messages not acknowledged are the last of its numbering.
+                waiting = Counter(message.about for message in task.pending)
+                unsent[task_id] = {about: task.sequencer.seqs[about] - n
+                                   for about, n in waiting.items()}
+        return {"outcomes_from": self._topic_next.get(partition, 0), "unsent": unsent}
+
+    async def _load_published(self, partitions: set[int],
+                              since: dict[int, int] | None = None) -> None:
+        """Read the outcomes partitions (from `since`, else whole) into `_published`."""
         if not partitions:
             return
         loaded: dict[int, dict[str, dict[str, int]]] = {p: {} for p in partitions}
         self._published.update(loaded)
         journal_ends: dict[int, int] = {}
+        outcomes_ends: dict[int, int] = {}
         count = 0
         try:
-            async for partition, message in _read(self.settings, partitions,
-                                                   journal_ends=journal_ends):
+            async for partition, message in _read(self.settings, partitions, since=since,
+                                                   journal_ends=journal_ends,
+                                                   outcomes_ends=outcomes_ends):
                 seqs = loaded[partition].setdefault(message.task_id, {})
                 seqs[message.about] = max(seqs.get(message.about, 0), message.seq)
                 count += 1
@@ -175,8 +246,9 @@ class OutcomesPublisher:
             for seqs in loaded.values():
                 seqs.clear()
             return
+        self._topic_next.update(outcomes_ends)
         self._log.info("outcomes read", partitions=sorted(partitions), messages=count,
-                       tasks=sum(map(len, loaded.values())))
+                       tasks=sum(map(len, loaded.values())), since=since)
         for p in partitions:
             self._in_background(self._prune_when_replayed(p, loaded[p], journal_ends[p]))
 
@@ -207,6 +279,7 @@ class OutcomesPublisher:
     def _sealed(self, partition: int, task_id: str) -> None:
         """The follower sealed the task: forget it, once its messages are all on the topic."""
         self._published.get(partition, {}).pop(task_id, None)  # nothing more of it is numbered
+        self._unsent.get(partition, {}).pop(task_id, None)
         task = self._tasks.get(task_id)
         if task is None:
             return
@@ -224,7 +297,8 @@ class OutcomesPublisher:
             del self._tasks[task_id]
             self._owed.pop(task_id, None)  # the new owner's replay sends what is owed
         for p in partitions:
-            self._published.pop(p, None)
+            for held in (self._published, self._restored_at, self._unsent, self._topic_next):
+                held.pop(p, None)
 
     async def _on_change(self, task_ids: set[str]) -> None:
         # Tasks in parallel, each task's messages one after another: a message is sent only
@@ -265,11 +339,13 @@ class OutcomesPublisher:
             # its new owner's to send.
             while task.pending and self._tasks.get(task_id) is task:
                 message = task.pending[0]
-                await self.writer.append_raw(
+                sent = await self.writer.append_raw(
                     OUTCOMES, message.model_dump_json().encode(), key=message.record_key(),
                     headers=[("type", message.type.encode()),
                              ("message_id", message.message_id.encode())])
                 task.pending.pop(0)
+                if sent.offset >= self._topic_next.get(sent.partition, 0):
+                    self._topic_next[sent.partition] = sent.offset + 1
                 self.published += 1
                 self._log.info("outcome published", task_id=task_id,
                                message_id=message.message_id, state=message.state)
@@ -294,12 +370,16 @@ async def read_outcomes(settings: KafkaSettings, partitions: set[int] | None = N
 
 
 async def _read(settings: KafkaSettings, partitions: set[int] | None, *,
+                since: dict[int, int] | None = None,
                 journal_ends: dict[int, int] | None = None,
+                outcomes_ends: dict[int, int] | None = None,
                 ) -> AsyncIterator[tuple[int, OutcomeChanged]]:
     # Invalid records (any kind, any size) are skipped: this topic is ours, so one is a bug,
     # logged with where it is, and it must not stop a publisher from starting.
-    # `journal_ends` (if given) is filled, once all is read, with the end of each journal
-    # partition of the same numbers: every message read came from a record before it.
+    # Each partition is read from its offset in `since` (else from its beginning) to the end it
+    # had when we started, put in `outcomes_ends` (if given). `journal_ends` (if given) is
+    # filled, once all is read, with the end of each journal partition of the same numbers:
+    # every message read came from a record before it.
     topic = OUTCOMES.name(settings.topic_prefix)
     consumer = AIOKafkaConsumer(**settings.client(), group_id=None,
                                 enable_auto_commit=False, isolation_level="read_committed",
@@ -311,7 +391,13 @@ async def _read(settings: KafkaSettings, partitions: set[int] | None, *,
         tps = [TopicPartition(topic, p) for p in sorted(numbers)]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
+        for tp in tps:
+            if since and tp.partition in since:
+                consumer.seek(tp, max(since[tp.partition],
+                                      (await consumer.beginning_offsets([tp]))[tp]))
         end = await consumer.end_offsets(tps)
+        if outcomes_ends is not None:
+            outcomes_ends.update({tp.partition: offset for tp, offset in end.items()})
         behind = {tp for tp in tps if await consumer.position(tp) < end[tp]}
         progress_at = time.monotonic()
         while behind:  # bounded: up to the end at the start, or no progress for IDLE_TIMEOUT_S
