@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/recovery.py [--events 10000,100000,1000000] [--keep]
     .venv/bin/python benchmarks/recovery.py --events 10000000 --prefix recovery-1234abcd.
+    .venv/bin/python benchmarks/recovery.py --service outcomes [--events ...]
 
 For each size: a fresh topic prefix gets a synthetic history of finished tasks (valid events:
 requested, started, a step intended, attempted and settled done, finished: 6 per task) spread
@@ -14,6 +15,13 @@ often the deciders lost partitions while they ran ("partitions revoked": a repla
 its heartbeat would lose them and start over); and of how many partitions the second start
 read a snapshot ("restored"; the others, if any, were replayed from zero). Figures only;
 nothing passes or fails.
+
+`--service outcomes`: the same for the outcomes publisher (`halfway run outcomes`), whose first
+action is the first message on the outcomes topic for a live task started after the history.
+Its first start publishes the whole history's messages (an empty outcomes topic: not a restart,
+timed as "(first)"); then "cold" is a restart from zero (`HALFWAY_SNAPSHOTS=off`: the journal
+and the outcomes topic read whole), and "from snapshot" one that restores the first start's
+images and reads only the tails.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ from halfway.contract import (
     mint_key,
     step_id,
 )
-from halfway.contract.topics import ALL_TOPICS, JOURNAL, TASKS
+from halfway.contract.topics import ALL_TOPICS, JOURNAL, OUTCOMES, TASKS
 from halfway.journal import ensure_topics
 from halfway.journal.admin import delete_topics
 from halfway.journal.records import decode, record_headers, record_key, record_value
@@ -54,7 +62,8 @@ from halfway.settings import KafkaSettings
 
 EVENTS_PER_TASK = 6
 HISTORY_DAYS = 30
-LOG_DIR = Path(".halfway/bench")  # the decider's log of each run
+LOG_DIR = Path(".halfway/bench")  # the service's log of each run
+SERVICES = ("decider", "outcomes")
 WAIT_S = 1800.0  # for one restart, at the largest size
 
 
@@ -129,10 +138,13 @@ async def fill(settings: KafkaSettings, events: int) -> None:
         await producer.stop()
 
 
-async def first_action(settings: KafkaSettings, probe: str, ready: asyncio.Event) -> float:
-    """The monotonic time at which `task.started` for `probe` was read from the journal
-    (`ready` is set once the watcher sits at the journal's end)."""
-    consumer = AIOKafkaConsumer(JOURNAL.name(settings.topic_prefix),
+async def first_action(settings: KafkaSettings, service: str, probe: str,
+                       ready: asyncio.Event) -> float:
+    """The monotonic time at which the service's first act for `probe` was read: the decider's
+    `task.started` on the journal, the outcomes publisher's first message (`ready` is set once
+    the watcher sits at the topic's end)."""
+    topic = JOURNAL if service == "decider" else OUTCOMES
+    consumer = AIOKafkaConsumer(topic.name(settings.topic_prefix),
                                 **settings.client(),
                                 auto_offset_reset="latest", group_id=None)
     await consumer.start()
@@ -145,6 +157,10 @@ async def first_action(settings: KafkaSettings, probe: str, ready: asyncio.Event
                 batches = await consumer.getmany(timeout_ms=200)
                 for records in batches.values():
                     for record in records:
+                        if service == "outcomes":
+                            if record.key == probe.encode():
+                                return time.monotonic()
+                            continue
                         try:
                             event = decode(record)
                         except Exception:
@@ -162,15 +178,19 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-async def request_probe(settings: KafkaSettings) -> str:
+async def request_probe(settings: KafkaSettings, service: str) -> str:
+    """A live task for the service to act on: a request on the tasks topic for the decider; its
+    request and start in the journal for the outcomes publisher."""
     probe = f"probe-{uuid.uuid4().hex[:8]}"
-    request = history(probe, datetime.now(UTC))[0]
+    events = history(probe, datetime.now(UTC))
+    sends = [(TASKS, events[0])] if service == "decider" else [(JOURNAL, e) for e in events[:2]]
     producer = AIOKafkaProducer(**settings.client())
     await producer.start()
     try:
-        await producer.send_and_wait(TASKS.name(settings.topic_prefix),
-                                     value=record_value(request), key=record_key(request),
-                                     headers=record_headers(request))
+        for topic, event in sends:
+            await producer.send_and_wait(topic.name(settings.topic_prefix),
+                                         value=record_value(event), key=record_key(event),
+                                         headers=record_headers(event))
     finally:
         await producer.stop()
     return probe
@@ -195,23 +215,25 @@ def snapshotted(log_path: Path) -> set[int]:
     return written | restored
 
 
-async def restart(settings: KafkaSettings, label: str, *,
-                  until_snapshots: int = 0) -> tuple[float, float, Path]:
-    """Start a decider, time its first action on a fresh request, and its RSS then; with
+async def restart(settings: KafkaSettings, service: str, label: str, *,
+                  until_snapshots: int = 0, snapshots: bool = True,
+                  ) -> tuple[float, float, Path]:
+    """Start the service, time its first action on a fresh live task, and its RSS then; with
     `until_snapshots`, keep it running until it wrote snapshots of that many partitions."""
-    probe = await request_probe(settings)
     env = dict(os.environ) | {"HALFWAY_TOPIC_PREFIX": settings.topic_prefix,
                               "HALFWAY_LOG_FORMAT": "json",
                               # Snapshot as soon as a partition caught up (a benchmark has
                               # no five minutes to wait at the small sizes).
-                              "HALFWAY_SNAPSHOT_EVERY_S": "1"}
+                              "HALFWAY_SNAPSHOT_EVERY_S": "1",
+                              "HALFWAY_SNAPSHOTS": "on" if snapshots else "off"}
+    probe = await request_probe(settings, service)  # nobody acts on it before the start
     ready = asyncio.Event()
-    watcher = asyncio.create_task(first_action(settings, probe, ready))
-    await ready.wait()  # the watcher sits at the journal's end before the decider writes
-    log_path = LOG_DIR / f"decider-{label}.log"
+    watcher = asyncio.create_task(first_action(settings, service, probe, ready))
+    await ready.wait()  # the watcher sits at the topic's end before the service writes
+    log_path = LOG_DIR / f"{service}-{label}.log"
     with log_path.open("wb") as log_file:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "halfway.cli", "run", "decider", env=env,
+            sys.executable, "-m", "halfway.cli", "run", service, env=env,
             stdout=asyncio.subprocess.DEVNULL, stderr=log_file)
     since = time.monotonic()
     try:
@@ -226,32 +248,41 @@ async def restart(settings: KafkaSettings, label: str, *,
     return seconds, rss, log_path
 
 
-async def one(base: KafkaSettings, events: int, *, prefix: str | None = None,
+async def one(base: KafkaSettings, service: str, events: int, *, prefix: str | None = None,
               keep: bool = False, first: bool = False) -> dict[str, float]:
     """Fill a fresh prefix (or reuse `prefix`, filled by an earlier `--keep` run: the restart
     from snapshots only, unless `first`), time the restarts, and delete the topics unless
     `keep`."""
     settings = base.with_prefix(prefix or f"recovery-{uuid.uuid4().hex[:8]}.")
     r: dict[str, float] = {"cold_s": float("nan"), "cold_rss": float("nan"),
-                           "fill_s": float("nan")}
+                           "fill_s": float("nan"), "first_s": float("nan"), "revoked": 0}
     await ensure_topics(settings, ALL_TOPICS)
     try:
         if prefix is None:
             started = time.monotonic()
             await fill(settings, events)
             r["fill_s"] = time.monotonic() - started
-        if prefix is None or first:
+        if (prefix is None or first) and service == "outcomes":
+            # The first start tells the whole history (and snapshots every partition); then
+            # a restart from zero, which writes no snapshot.
+            r["first_s"], _, first_log = await restart(
+                settings, service, f"{events}-first", until_snapshots=JOURNAL.partitions)
+            r["cold_s"], r["cold_rss"], cold_log = await restart(
+                settings, service, f"{events}-cold", snapshots=False)
+            r["revoked"] = sum(len(logged(path, "partitions revoked"))
+                               for path in (first_log, cold_log))
+        elif prefix is None or first:
             # Cold: no snapshot (or only unusable ones: replayed), the journal from zero; it
             # snapshots every partition.
             r["cold_s"], r["cold_rss"], cold_log = await restart(
-                settings, f"{events}-cold", until_snapshots=JOURNAL.partitions)
+                settings, service, f"{events}-cold", until_snapshots=JOURNAL.partitions)
             r["revoked"] = len(logged(cold_log, "partitions revoked"))
         # Warm: the snapshots and the journal after them (a probe request or two).
         # Kept running until every partition is restored (or replayed and snapshotted
         # again): `restored` counts them all, not only those read before the first action.
         r["warm_s"], r["warm_rss"], log_path = await restart(
-            settings, f"{events}-warm", until_snapshots=JOURNAL.partitions)
-        r["revoked"] = r.get("revoked", 0) + len(logged(log_path, "partitions revoked"))
+            settings, service, f"{events}-warm", until_snapshots=JOURNAL.partitions)
+        r["revoked"] += len(logged(log_path, "partitions revoked"))
         restored = logged(log_path, "snapshot read")
         r["restored"] = len(restored)
         r["read_s"] = max((e.get("seconds", 0.0) for e in restored), default=0.0)
@@ -273,17 +304,21 @@ async def main() -> None:
     parser.add_argument("--first", action="store_true",
                         help="with --prefix: a first start that writes the snapshots too "
                              "(a kept history whose snapshots this build cannot read)")
+    parser.add_argument("--service", choices=SERVICES, default="decider",
+                        help="the service restarted (default: %(default)s)")
     args = parser.parse_args()
     base = KafkaSettings.from_env()
+    print(f"{args.service}: restart → first action")
     print(f"{'journal events':>15} {'cold: first action':>19} {'RSS':>8}"
           f" {'from snapshot: first action':>28} {'RSS':>8} {'restored':>9} {'revoked':>8}"
-          f" {'(fill)':>8}")
+          f" {'(fill)':>8} {'(first start)':>14}")
     for events in (int(n) for n in args.events.split(",")):
-        r = await one(base, events, prefix=args.prefix, keep=args.keep, first=args.first)
+        r = await one(base, args.service, events, prefix=args.prefix, keep=args.keep,
+                      first=args.first)
         print(f"{events:>15,} {r['cold_s']:>17.2f} s {r['cold_rss']:>4.0f} MiB"
               f" {r['warm_s']:>26.2f} s {r['warm_rss']:>4.0f} MiB"
               f" {r['restored']:>5.0f}/{JOURNAL.partitions} {r['revoked']:>8.0f}"
-              f" {r['fill_s']:>7.1f}s", flush=True)
+              f" {r['fill_s']:>7.1f}s {r['first_s']:>13.1f}s", flush=True)
 
 
 if __name__ == "__main__":

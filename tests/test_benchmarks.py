@@ -27,16 +27,22 @@ pytestmark = pytest.mark.load
 
 
 @pytest.mark.broker
+@pytest.mark.parametrize("service", recovery.SERVICES)
 async def test_recovery_restarts_from_snapshots_without_losing_partitions(
-        infrastructure: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        infrastructure: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        service: str) -> None:
     monkeypatch.setattr(recovery, "LOG_DIR", tmp_path)
-    r = await recovery.one(KafkaSettings.from_env(), 1200)
+    r = await recovery.one(KafkaSettings.from_env(), service, 1200)
     assert math.isfinite(r["cold_s"]), r
     assert math.isfinite(r["warm_s"]), r
     assert r["restored"] == recovery.JOURNAL.partitions, r  # every one from its snapshot
     assert r["revoked"] == 0, r
-    cold = (tmp_path / "decider-1200-cold.log").read_text()
-    assert cold.count('"snapshot written"') >= 6
+    writer = "first" if service == "outcomes" else "cold"  # the start that wrote snapshots
+    written = (tmp_path / f"{service}-1200-{writer}.log").read_text()
+    assert written.count('"snapshot written"') >= 6
+    if service == "outcomes":
+        cold = (tmp_path / "outcomes-1200-cold.log").read_text()
+        assert '"snapshot' not in cold  # the restart from zero reads and writes none
 
 
 @pytest.mark.broker
