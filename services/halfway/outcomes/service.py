@@ -37,7 +37,8 @@ same changes, so its messages on the topic are recognised and none is sent again
 
 Memory while an assignment is loaded: from the read of the outcomes partitions until the replay
 reaches the journal's end taken after that read, the highest seq per subject of every task with
-a message there (the partitions' whole history: a dict per task, a few hundred bytes each). It
+a message in what was read (from zero, the partitions' whole history; from a snapshot, what
+came after its image: a dict per task, a few hundred bytes each). It
 shrinks as the replay goes: a task's entry goes when the replay has numbered up to what was
 read, or seals the task; what is left once the replay reaches that end (tasks the journal does
 not have) goes then. After that, nothing is held for a task the fold does not hold.
