@@ -76,6 +76,9 @@ IMAGE_BYTES_MAX = 512 * 1024 * 1024
 READ_RECORDS_MAX = 100_000
 READ_TIMEOUT_S = 60.0
 READ_FETCH_BYTES = 32 * 1024 * 1024  # per fetch of a snapshot's chunks
+# Fetching the group's pointers on assignment (in the rebalance listener): past this, the
+# partitions are replayed from zero rather than the assignment kept waiting.
+POINTERS_TIMEOUT_S = 10.0
 # Images read (and decoded) at once: two overlap one's fetch with the other's decode. More only
 # share the CPU (the last partition is served no sooner, the first later) and hold every image
 # in memory at once (10M events, 6 partitions: peak RSS 270-290 MiB at once, 190-205 by two).
@@ -457,9 +460,11 @@ async def read(settings: KafkaSettings, group: str, partition: int, pointer: Poi
 
 async def snapshotted(settings: KafkaSettings, group: str, tps: list[TopicPartition],
                       ) -> dict[TopicPartition, tuple[int, str]]:
-    """`pointers`, of the partitions that have one (none if they cannot be fetched: logged)."""
+    """`pointers`, of the partitions that have one (none if they cannot be fetched within
+    POINTERS_TIMEOUT_S: logged)."""
     try:
-        committed = await pointers(settings, group, tps)
+        async with asyncio.timeout(POINTERS_TIMEOUT_S):
+            committed = await pointers(settings, group, tps)
     except Exception as exc:
         log.get("halfway.snapshots", group=group).warning(
             "no snapshots read: the group's commits could not be fetched",
