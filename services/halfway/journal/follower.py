@@ -904,11 +904,10 @@ class JournalFollower:
         new = [tp for tp in assigned if tp not in self._partitions]
         if not new:
             return
-        # Partitions that may have a snapshot are paused and restored in the background, each
-        # served as soon as its image is in (a restart acts on one partition's tasks without
-        # waiting for every image); the others are read from zero at once.
+        # Partitions with a snapshot are paused and restored in the background, each served
+        # as soon as its image is in (a restart acts on one partition's tasks without waiting
+        # for every image); the others are read from zero at once.
         candidates = self._snapshot_candidates(new)
-        # Those without a snapshot are read from zero at once, with the others not loading.
         committed = await snaps.snapshotted(self._settings, self.group, candidates) \
             if candidates else {}
         candidates = [tp for tp in candidates if tp in committed]
@@ -979,7 +978,11 @@ class JournalFollower:
             elif image is not None and self._on_restore is not None:
                 wake = await self._on_restore(number, image.journal_next, image.service)
             if self._loading.get(number) is not parts:
-                continue  # revoked meanwhile
+                # Revoked meanwhile: what the hook made of it goes too, unless it is ours again.
+                if (self._on_revoke is not None and number not in self._loading
+                        and tp not in self._partitions):
+                    self._on_revoke({number})
+                continue
             if image is not None:
                 await self._restore(tp, image, parts, wake)
                 if self._loading.get(number) is not parts:  # revoked while restoring

@@ -80,6 +80,9 @@ from halfway.outcomes.derive import Sequencer, changes
 from halfway.settings import KafkaSettings
 
 FETCH_TIMEOUT_MS = 500
+# How long the broker may hold one fetch of the outcomes topic's read without data: an offsets
+# request on the same connection waits behind it (500 ms at the client's default, per request).
+READ_FETCH_WAIT_MS = 20
 IDLE_TIMEOUT_S = 30.0  # no progress for this long while behind the end: the broker is gone
 LOGGED_REASON_CHARS_MAX = 500
 # Sealed tasks whose owed messages are sent at once (a replay may seal many that owe some).
@@ -201,9 +204,9 @@ class OutcomesPublisher:
                               partition=partition, error=repr(exc)[:LOGGED_REASON_CHARS_MAX])
             await self._load_published({partition})
             return set()
+        await self._load_published({partition}, since={partition: since})
         self._restored_at[partition] = journal_next
         self._unsent[partition] = unsent
-        await self._load_published({partition}, since={partition: since})
         return set(unsent)
 
     def _image(self, partition: int) -> dict[str, Any] | None:
@@ -225,6 +228,9 @@ class OutcomesPublisher:
         """Read the outcomes partitions (from `since`, else whole) into `_published`."""
         if not partitions:
             return
+        for p in partitions:  # what an earlier image said (the caller says it again)
+            self._restored_at.pop(p, None)
+            self._unsent.pop(p, None)
         loaded: dict[int, dict[str, dict[str, int]]] = {p: {} for p in partitions}
         self._published.update(loaded)
         journal_ends: dict[int, int] = {}
@@ -384,7 +390,7 @@ async def _read(settings: KafkaSettings, partitions: set[int] | None, *,
     topic = OUTCOMES.name(settings.topic_prefix)
     consumer = AIOKafkaConsumer(**settings.client(), group_id=None,
                                 enable_auto_commit=False, isolation_level="read_committed",
-                                **fetch_limits())
+                                fetch_max_wait_ms=READ_FETCH_WAIT_MS, **fetch_limits())
     await consumer.start()
     try:
         numbers = partitions if partitions is not None else await topic_partitions(settings,
