@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 
 from halfway.contract.topics import JOURNAL, WEBHOOKS, TopicSpec
 from halfway.contract.webhooks import WebhookReceived, parse_webhook
+from halfway.gateway import app as gateway_app
 from halfway.gateway import make_app
 from halfway.gateway.app import RECORD_BYTES_MAX, _Malformed, _Memory, _read_event, _record
 from halfway.journal import JournalWriter
@@ -272,15 +273,21 @@ OFFLINE = KafkaSettings("127.0.0.1:9", "offline.", 1)  # never connected to
 
 
 class FakeWriter:
-    """Keeps what would be published; fails with `error` if set."""
+    """Keeps what would be published; fails with `error` if set; with `hold` set, each append
+    is put in `entered` and waits for `hold`."""
 
     def __init__(self) -> None:
         self.records: list[tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]] = []
         self.error: BaseException | None = None
+        self.hold: asyncio.Event | None = None
+        self.entered: asyncio.Queue[bytes | None] = asyncio.Queue()
 
     async def append_raw(self, spec: TopicSpec, value: bytes | None, *, key: bytes | None = None,
                          headers: list[tuple[str, bytes]] | None = None) -> RecordMetadata:
         assert spec is WEBHOOKS
+        if self.hold is not None:
+            self.entered.put_nowait(value)
+            await self.hold.wait()
         if self.error is not None:
             raise self.error
         self.records.append((key, value, headers or []))
@@ -449,6 +456,30 @@ async def test_only_a_broker_failure_is_503(offline: Offline, error: BaseExcepti
     response = await post_signed(offline.client, charge_event(f"{_new_task()}:1"))
 
     assert response.status_code == status
+
+
+async def test_past_the_requests_at_once_a_webhook_is_503_with_retry_after_and_not_kept(
+        offline: Offline, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gateway_app, "REQUESTS_AT_ONCE_MAX", 2)
+    offline.writer.hold = asyncio.Event()
+    held = [asyncio.create_task(post_signed(offline.client, charge_event(None)))
+            for _ in range(2)]
+    for _ in held:  # both are being published, waiting on the broker
+        await asyncio.wait_for(offline.writer.entered.get(), HTTP_TIMEOUT_S)
+
+    busy = charge_event(None)
+    response = await post_signed(offline.client, busy)
+    assert response.status_code == 503, response.text
+    assert response.headers["Retry-After"] == "1"
+    assert "retry" in response.json()["error"]
+
+    offline.writer.hold.set()
+    assert [(await r).status_code for r in held] == [200, 200]
+    # Nothing of the refused one was kept: the provider's retry is published.
+    again = await post_signed(offline.client, busy)
+    assert again.status_code == 200, again.text
+    assert again.json()["duplicate"] is False
+    assert len(offline.writer.records) == 3
 
 
 _json = st.recursive(

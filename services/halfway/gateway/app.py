@@ -75,6 +75,10 @@ from halfway.webhooks.providers import Provider, ProviderError
 from halfway.webhooks.signature import TOLERANCE_S_DEFAULT, SignatureError
 
 BODY_BYTES_MAX = 1024 * 1024  # Stripe events are well under this; more is not a webhook
+# Requests served at once (each may hold a body of BODY_BYTES_MAX and wait on the broker); past
+# it a request is 503 with Retry-After at once, before its body is read: providers retry.
+REQUESTS_AT_ONCE_MAX = 256
+BUSY_RETRY_AFTER_S = 1
 MEMORY_ENTRIES_MAX = 100_000  # per memory; past it the oldest entry is forgotten
 # A signature stays acceptable until its t is `tolerance` in the past, and t may be up to
 # `tolerance` in the future when accepted: remembering it twice that long covers every case.
@@ -184,6 +188,7 @@ class Gateway:
     # instead of publishing a second copy. One entry per request being served, removed as it
     # ends (whatever the outcome): it never outgrows the requests in flight.
     publishing: dict[tuple[str, str], asyncio.Future[bool]] = field(default_factory=dict)
+    serving: int = 0  # requests being served: REQUESTS_AT_ONCE_MAX at most
 
     def __post_init__(self) -> None:
         # Standard Webhooks' window is its library's, whatever ours is.
@@ -301,6 +306,20 @@ async def receive(request: web.Request) -> web.Response:
         return _refuse(404, f"unknown provider {name[:100]!r}: webhooks are accepted for "
                        f"{known}")
     logger = log.get("halfway.gateway", provider=name)
+    if gateway.serving >= REQUESTS_AT_ONCE_MAX:
+        logger.warning("webhook refused", why="busy", serving=gateway.serving)
+        busy = _refuse(503, f"{REQUESTS_AT_ONCE_MAX} webhooks are being received; retry")
+        busy.headers["Retry-After"] = str(BUSY_RETRY_AFTER_S)
+        return busy
+    gateway.serving += 1
+    try:
+        return await _receive(gateway, request, name, provider, logger)
+    finally:
+        gateway.serving -= 1
+
+
+async def _receive(gateway: Gateway, request: web.Request, name: str, provider: Provider,
+                   logger: FilteringBoundLogger) -> web.Response:
     try:
         body = await request.read()
     except web.HTTPRequestEntityTooLarge:
