@@ -3,15 +3,26 @@
 Theory of operation
 -------------------
 The projector is a member of the consumer group `{prefix}projector`, so several instances
-share the journal's partitions. Kafka's committed offsets are never used: the offsets that
-count are in PostgreSQL (`applied_offsets`), written in the same transaction as the rows.
+share the journal's partitions. The offsets that count are in PostgreSQL (`applied_offsets`),
+written in the same transaction as the rows; the group's commit in Kafka only points at a
+snapshot.
 
-On assignment a partition is replayed from offset zero, because a row is a function of a
-task's whole fold and the fold lives only in memory. Rows are written only for tasks with an
-event at or after the partition's stored offset (`written_to`); the replay below it rebuilds
-the fold without writing. Records are applied in batches (at most about BATCH_EVENTS_MAX
-events) and every batch commits its tasks' rows and the partitions' new offsets together, so a
-kill -9 at any point leaves PostgreSQL at a batch boundary, and the next instance resumes there.
+A row is a function of a task's whole fold, and the fold lives only in memory. On assignment a
+partition's fold is restored from its snapshot (`halfway.journal.snapshots`, the followers'
+image: its open tasks' records, its sealed tasks' digests, its ended tasks waiting to be
+sealed) and the journal read from the image's offset X; without a usable one (none, aged out,
+corrupt, or X past the stored offset: the read model went back) it is replayed from offset
+zero, logged. Rows are written only for tasks with an event at or after the partition's stored
+offset (`written_to`); the records read below it rebuild the fold without writing, so an image
+at X <= written_to always serves. The projector writes a partition's image (pointer in this
+group's commit on the partition, as the followers do) between two batches, only once its fold
+is stored (`position == written_to`: no sealed task waits for its row), in the background,
+one at a time, when due (`snapshots.due`); HALFWAY_SNAPSHOTS=off never reads or writes one. A
+snapshot is only an optimisation: a replay from zero writes the same rows.
+
+Records are applied in batches (at most about BATCH_EVENTS_MAX events) and every batch commits
+its tasks' rows and the partitions' new offsets together, so a kill -9 at any point leaves
+PostgreSQL at a batch boundary, and the next instance resumes there.
 Rewriting a row is harmless (a row is a pure function of the fold), so redelivery is too.
 
 Each batch states the offsets it expects to be stored; if another writer moved them (a zombie
@@ -29,7 +40,8 @@ replay and in a rebuild). A sealed task's fold is dropped once its row is stored
 8-byte digest kept; its late events are not folded (the row stays as it was; logged, the first
 time past them) and do not move the clock. A re-sync below the offset of a dropped task's last
 event (a lagging rebuild swapped in) cannot write that row again: the partition is replayed from
-zero.
+zero (after a restore, below the image's offset: what it sealed left no offsets). The records
+kept for the image are those of tasks still folded, dropped with their fold.
 """
 
 from __future__ import annotations
