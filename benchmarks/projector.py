@@ -1,6 +1,7 @@
-"""Projector figures: replay speed, rebuild speed, and lag under a burst.
+"""Projector figures: replay speed, rebuild speed, lag under a burst, and restart cost.
 
     .venv/bin/python benchmarks/projector.py [--events 20000] [--tasks 2000] [--burst 10000]
+        [--restart-events 1000000] [--restart-tail 600] [--only replay|burst|restart]
 
 - Replay speed (events per second, median of 3 runs) of `--events` events across `--tasks`
   tasks: (a) folding the journal from Kafka alone (`halfway.journal.replay`), the baseline;
@@ -10,6 +11,15 @@
   idempotent, not waiting for each); every 100 ms the lag (end offsets minus applied offsets)
   is sampled; printed as median, p99 and max, with the time from the last write's ack until
   the lag is 0 (polled every 10 ms once the writes are acked).
+- Restart cost: a journal of `--restart-events` events (finished tasks over 30 days, as
+  `benchmarks/recovery.py` fills it; the last day's are live work, the rest sealed) is
+  projected by a first projector process until it has snapshotted every partition at its
+  end; then, each time after `--restart-tail` more events, the projector is started again:
+  from zero with HALFWAY_SNAPSHOTS=off (it keeps no events for an image), from zero with
+  snapshots on (the group's pointers cleared: it keeps its open tasks' events, and snapshots
+  again), and from its snapshots. Printed: seconds from process start until PostgreSQL holds
+  the journal's end ("caught up", polled every 10 ms), the process's RSS then, and how many
+  partitions were restored from a snapshot.
 Figures only; nothing here passes or fails. Own topic prefixes and schemas, removed after.
 """
 
@@ -46,7 +56,7 @@ from halfway.contract import (
     mint_key,
     step_id,
 )
-from halfway.contract.topics import JOURNAL
+from halfway.contract.topics import ALL_TOPICS, JOURNAL
 from halfway.journal import ensure_topics, replay
 from halfway.journal.admin import delete_topics
 from halfway.journal.records import record_headers, record_key, record_value
@@ -54,10 +64,16 @@ from halfway.projector import store
 from halfway.projector.rebuild import rebuild
 from halfway.settings import KafkaSettings
 
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # `benchmarks.recovery`, also when run as a script
+from benchmarks.recovery import EVENTS_PER_TASK, fill, history, logged, rss_mib  # noqa: E402
+
 RUNS = 3
 SAMPLE_INTERVAL_S = 0.1
 CATCH_UP_POLL_S = 0.01
 WAIT_S = 120.0  # bound on any wait (the projector's start, its catching up)
+RESTART_WAIT_S = 1800.0  # bound on one restart's catching up, at the largest sizes
+RESTART_POLL_S = 0.2  # the projector's log, for its snapshots
 BASE = datetime(2026, 12, 2, 9, 0, tzinfo=UTC)
 
 
@@ -143,9 +159,10 @@ async def replay_speed(settings: KafkaSettings, schema: str) -> None:
 
 
 async def spawn_projector(settings: KafkaSettings, schema: str, log_path: Path,
-                          ) -> asyncio.subprocess.Process:
+                          **extra: str) -> asyncio.subprocess.Process:
     environ = dict(os.environ) | {"HALFWAY_TOPIC_PREFIX": settings.topic_prefix,
-                                  "HALFWAY_PG_SCHEMA": schema, "HALFWAY_LOG_FORMAT": "json"}
+                                  "HALFWAY_PG_SCHEMA": schema, "HALFWAY_LOG_FORMAT": "json",
+                                  **extra}
     if settings.bootstrap != env.kafka_bootstrap():
         environ["HALFWAY_KAFKA_BOOTSTRAP"] = settings.bootstrap
     with log_path.open("ab") as log_file:
@@ -227,25 +244,166 @@ async def burst_lag(base: KafkaSettings, burst: int, schema: str) -> None:
     print(f"from the last write's ack to lag 0: {(caught_up - last_ack) * 1000:,.0f} ms")
 
 
+# -- restart cost: from zero and from snapshots --------------------------------------------
+
+
+async def caught_up(settings: KafkaSettings, schema: str, log_path: Path,
+                    process: asyncio.subprocess.Process) -> None:
+    """Until PostgreSQL holds the journal's end offsets (as they are now)."""
+    ends = await journal_ends(settings)
+    conn = await store.connect(env.pg_dsn())
+    try:
+        async with asyncio.timeout(RESTART_WAIT_S):
+            while True:
+                if await store.schema_exists(conn, schema):
+                    stored = await store.read_offsets(conn, schema,
+                                                      JOURNAL.name(settings.topic_prefix))
+                    if all(stored.get(p, 0) >= e for p, e in ends.items()):
+                        return
+                if process.returncode is not None:
+                    raise RuntimeError(f"the projector exited:\n{log_text(log_path)[-3000:]}")
+                await asyncio.sleep(CATCH_UP_POLL_S)
+    finally:
+        await conn.close()
+
+
+async def journal_ends(settings: KafkaSettings) -> dict[int, int]:
+    consumer = AIOKafkaConsumer(**settings.client(), group_id=None,
+                                enable_auto_commit=False, isolation_level="read_committed")
+    await consumer.start()
+    try:
+        topic = JOURNAL.name(settings.topic_prefix)
+        tps = [TopicPartition(topic, p) for p in range(JOURNAL.partitions)]
+        return {tp.partition: offset for tp, offset in (await consumer.end_offsets(tps)).items()}
+    finally:
+        await consumer.stop()
+
+
+async def snapshotted_at_end(settings: KafkaSettings, log_path: Path,
+                             process: asyncio.subprocess.Process) -> list[dict]:
+    """Until the projector logged a snapshot of every partition at its end; those entries."""
+    ends = {p: e for p, e in (await journal_ends(settings)).items() if e}
+    async with asyncio.timeout(RESTART_WAIT_S):
+        while True:
+            written = {e.get("partition"): e for e in logged(log_path, "snapshot written")
+                       if e.get("journal_next") == ends.get(e.get("partition"))}
+            if set(written) >= set(ends):
+                return list(written.values())
+            if process.returncode is not None:
+                raise RuntimeError(f"the projector exited:\n{log_text(log_path)[-3000:]}")
+            await asyncio.sleep(RESTART_POLL_S)  # a log file has no notification
+
+
+async def forget_snapshots(settings: KafkaSettings) -> None:
+    """Commit the projector group's offsets with no pointer: its next start has no snapshot."""
+    topic = JOURNAL.name(settings.topic_prefix)
+    consumer = AIOKafkaConsumer(**settings.client(), group_id=f"{settings.topic_prefix}projector",
+                                enable_auto_commit=False)
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in range(JOURNAL.partitions)]
+        consumer.assign(tps)
+        await consumer.commit({tp: (0, "") for tp in tps})
+    finally:
+        await consumer.stop()
+
+
+async def write_tail(settings: KafkaSettings, events: int, name: str) -> None:
+    """`events` more (whole tasks of `recovery.history`, now): the work a restart has."""
+    tasks = [history(f"{name}-{i}", datetime.now(UTC))
+             for i in range(max(1, events // EVENTS_PER_TASK))]
+    await write(settings, [e for task in tasks for e in task])
+
+
+async def start_once(settings: KafkaSettings, schema: str, log_path: Path, *,
+                     snapshots: bool, keep_until_snapshotted: bool = False,
+                     ) -> tuple[float, float, int]:
+    """Start a projector process; seconds until caught up, its RSS (MiB) then, and how many
+    partitions it restored from a snapshot."""
+    extra = {"HALFWAY_SNAPSHOT_EVERY_S": "1",  # a snapshot soon after catching up
+             "HALFWAY_SNAPSHOTS": "on" if snapshots else "off"}
+    started = time.monotonic()
+    process = await spawn_projector(settings, schema, log_path, **extra)
+    try:
+        await caught_up(settings, schema, log_path, process)
+        seconds = time.monotonic() - started
+        rss = rss_mib(process.pid)
+        if keep_until_snapshotted:
+            images = await snapshotted_at_end(settings, log_path, process)
+            print(f"  snapshots at the end: {len(images)} partitions, "
+                  f"{sum(e.get('live_events', 0) for e in images):,} live events, "
+                  f"{sum(e.get('sealed', 0) for e in images):,} sealed tasks, "
+                  f"{sum(e.get('bytes', 0) for e in images) / 2**20:.1f} MiB")
+    finally:
+        if process.returncode is None:
+            process.terminate()
+            await asyncio.wait_for(process.wait(), WAIT_S)
+    return seconds, rss, len(logged(log_path, "partition restored from its snapshot"))
+
+
+async def restart_cost(base: KafkaSettings, events: int, tail: int, schema: str) -> None:
+    settings = prefixed(base, "restart")
+    await ensure_topics(settings, ALL_TOPICS)
+    conn = await store.connect(env.pg_dsn())
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            started = time.monotonic()
+            await fill(settings, events)
+            print(f"restart cost: {events:,} journal events (finished tasks over 30 days) "
+                  f"written in {time.monotonic() - started:.1f} s; a tail of {tail:,} "
+                  "before each restart")
+            print(f"{'start':<34} {'until caught up':>16} {'RSS':>9} {'restored':>9}")
+            # (label, snapshots on, a tail first, its pointers forgotten first, snapshotted)
+            runs = [("first (empty read model)", True, False, False, True),
+                    ("restart from zero, snapshots off", False, True, False, False),
+                    ("restart from zero, snapshots on", True, True, True, True),
+                    ("restart from snapshots", True, True, False, False)]
+            for i, (label, snapshots, tail_first, forget, snapshotted) in enumerate(runs):
+                if tail_first:
+                    await write_tail(settings, tail, f"tail{i}")
+                if forget:
+                    await forget_snapshots(settings)
+                seconds, rss, restored = await start_once(
+                    settings, schema, Path(tmp) / f"projector-{i}.log", snapshots=snapshots,
+                    keep_until_snapshotted=snapshotted)
+                print(f"{label:<34} {seconds:>14.2f} s {rss:>5.0f} MiB "
+                      f"{restored:>5}/{JOURNAL.partitions}", flush=True)
+    finally:
+        await store.drop_schema(conn, schema)
+        await conn.close()
+        await delete_topics(settings, ALL_TOPICS)
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=20_000)
     parser.add_argument("--tasks", type=int, default=2_000)
     parser.add_argument("--burst", type=int, default=10_000)
+    parser.add_argument("--restart-events", type=int, default=1_000_000)
+    parser.add_argument("--restart-tail", type=int, default=600)
+    parser.add_argument("--only", choices=("replay", "burst", "restart"))
     args = parser.parse_args()
     base = KafkaSettings.from_env()
     run = uuid.uuid4().hex[:6]
     schema, burst_schema = f"bench_{run}", f"bench_{run}_burst"
+    print(f"{os.cpu_count()} cores, broker {base.bootstrap}, {JOURNAL.partitions} partitions")
+    if args.only in (None, "replay"):
+        await replay_figures(base, args.events, args.tasks, schema)
+    if args.only in (None, "burst"):
+        await burst_lag(base, args.burst, burst_schema)
+    if args.only in (None, "restart"):
+        await restart_cost(base, args.restart_events, args.restart_tail, f"bench_{run}_restart")
+
+
+async def replay_figures(base: KafkaSettings, events: int, tasks: int, schema: str) -> None:
     settings = prefixed(base, "replay")
     await ensure_topics(settings, (JOURNAL,))
     conn = await store.connect(env.pg_dsn())
     try:
-        print(f"{os.cpu_count()} cores, broker {settings.bootstrap}, {JOURNAL.partitions} "
-              f"partitions; PostgreSQL schema {schema}")
-        await write(settings, workload(args.events, args.tasks, "bench"))
-        print(f"replay of {args.events:,} events across {args.tasks:,} tasks, {RUNS} runs each:")
+        print(f"PostgreSQL schema {schema}")
+        await write(settings, workload(events, tasks, "bench"))
+        print(f"replay of {events:,} events across {tasks:,} tasks, {RUNS} runs each:")
         await replay_speed(settings, schema)
-        await burst_lag(base, args.burst, burst_schema)
     finally:
         for name in (schema, f"{schema}_rebuild", f"{schema}_old"):
             await store.drop_schema(conn, name)

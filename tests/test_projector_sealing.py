@@ -76,11 +76,12 @@ class Story:
             1, Outcome.DONE, source=SettlementSource.OPERATOR, evidence={"charge_id": "ch_9"})
 
 
-def one_partition_ids(*names: str) -> tuple[int, list[str]]:
-    """Task ids, one per name, that the journal's partitioner puts in one partition."""
+def one_partition_ids(*names: str, partition: int | None = None) -> tuple[int, list[str]]:
+    """Task ids, one per name, that the journal's partitioner puts in one partition (that of
+    the first, unless `partition` says)."""
     tag = uuid.uuid4().hex[:8]
     ids: list[str] = []
-    first: int | None = None
+    first: int | None = partition
     for name in names:
         for i in range(10_000):
             task_id = f"seal-{name}-{tag}-{i}"

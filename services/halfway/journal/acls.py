@@ -89,7 +89,7 @@ WRITES: dict[str, tuple[TopicSpec, ...]] = {
     "executor": (JOURNAL, DEAD_LETTERS, *FOLLOWER),
     "reconciler": (JOURNAL, DEAD_LETTERS, *FOLLOWER),
     "outcomes": (OUTCOMES, DEAD_LETTERS, *FOLLOWER),
-    "projector": (DEAD_LETTERS,),
+    "projector": (DEAD_LETTERS, *FOLLOWER),  # snapshots, as a follower
     "gateway": (WEBHOOKS,),
     # The HTTP API acts for people: starts tasks, and aborts and resolves as an operator tool.
     "api": (TASKS, JOURNAL),
@@ -101,7 +101,7 @@ READS: dict[str, tuple[TopicSpec, ...]] = {
     "executor": (JOURNAL, *FOLLOWER),
     "reconciler": (JOURNAL, WEBHOOKS, *FOLLOWER),
     "outcomes": (JOURNAL, OUTCOMES, *FOLLOWER),
-    "projector": (JOURNAL,),
+    "projector": (JOURNAL, *FOLLOWER),
     "gateway": (JOURNAL,),  # where a task's journal ends, to order a webhook after it
     "api": (JOURNAL, TASKS, OUTCOMES),
     "operator": (JOURNAL, TASKS, WEBHOOKS, OUTCOMES, GUARDS, DEAD_LETTERS),

@@ -1085,9 +1085,7 @@ class JournalFollower:
             if side is not None and not side.caught_up:
                 continue
             age_s = now_s - part.snapshot_s
-            if not (part.since_snapshot >= snaps.EVERY_RECORDS
-                    or (part.since_snapshot and age_s >= self._snapshot_every_s)
-                    or age_s >= snaps.REFRESH_S):
+            if not snaps.due(part.since_snapshot, age_s, self._snapshot_every_s):
                 continue
             service = None if self._on_image is None else self._on_image(tp.partition)
             if self._on_image is not None and service is None:

@@ -67,6 +67,12 @@ EVERY_S_ENV = "HALFWAY_SNAPSHOT_EVERY_S"  # EVERY_S, for tests and operators
 
 def every_s() -> float:
     return number_from_env(EVERY_S_ENV, EVERY_S)  # 0: after every record (tests)
+
+
+def due(records: int, age_s: float, every_s: float) -> bool:
+    """Whether a partition's snapshot is due, `records` applied and `age_s` seconds since its
+    last one (see EVERY_RECORDS; `every_s`: `every_s()`, read once by its caller)."""
+    return records >= EVERY_RECORDS or (records > 0 and age_s >= every_s) or age_s >= REFRESH_S
 # Chunks stay well under the broker's record limit (halfway.journal.limits).
 CHUNK_BYTES = 512 * 1024
 # Past this (compressed) a partition is not snapshotted: its restart replays from zero, logged.

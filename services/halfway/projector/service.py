@@ -3,15 +3,26 @@
 Theory of operation
 -------------------
 The projector is a member of the consumer group `{prefix}projector`, so several instances
-share the journal's partitions. Kafka's committed offsets are never used: the offsets that
-count are in PostgreSQL (`applied_offsets`), written in the same transaction as the rows.
+share the journal's partitions. The offsets that count are in PostgreSQL (`applied_offsets`),
+written in the same transaction as the rows; the group's commit in Kafka only points at a
+snapshot.
 
-On assignment a partition is replayed from offset zero, because a row is a function of a
-task's whole fold and the fold lives only in memory. Rows are written only for tasks with an
-event at or after the partition's stored offset (`written_to`); the replay below it rebuilds
-the fold without writing. Records are applied in batches (at most about BATCH_EVENTS_MAX
-events) and every batch commits its tasks' rows and the partitions' new offsets together, so a
-kill -9 at any point leaves PostgreSQL at a batch boundary, and the next instance resumes there.
+A row is a function of a task's whole fold, and the fold lives only in memory. On assignment a
+partition's fold is restored from its snapshot (`halfway.journal.snapshots`, the followers'
+image: its open tasks' records, its sealed tasks' digests, its ended tasks waiting to be
+sealed) and the journal read from the image's offset X; without a usable one (none, aged out,
+corrupt, or X past the stored offset: the read model went back) it is replayed from offset
+zero, logged. Rows are written only for tasks with an event at or after the partition's stored
+offset (`written_to`); the records read below it rebuild the fold without writing, so an image
+at X <= written_to always serves. The projector writes a partition's image (pointer in this
+group's commit on the partition, as the followers do) between two batches, only once its fold
+is stored (`position == written_to`: no sealed task waits for its row), in the background,
+one at a time, when due (`snapshots.due`); HALFWAY_SNAPSHOTS=off never reads or writes one. A
+snapshot is only an optimisation: a replay from zero writes the same rows.
+
+Records are applied in batches (at most about BATCH_EVENTS_MAX events) and every batch commits
+its tasks' rows and the partitions' new offsets together, so a kill -9 at any point leaves
+PostgreSQL at a batch boundary, and the next instance resumes there.
 Rewriting a row is harmless (a row is a pure function of the fold), so redelivery is too.
 
 Each batch states the offsets it expects to be stored; if another writer moved them (a zombie
@@ -29,13 +40,15 @@ replay and in a rebuild). A sealed task's fold is dropped once its row is stored
 8-byte digest kept; its late events are not folded (the row stays as it was; logged, the first
 time past them) and do not move the clock. A re-sync below the offset of a dropped task's last
 event (a lagging rebuild swapped in) cannot write that row again: the partition is replayed from
-zero.
+zero (after a restore, below the image's offset: what it sealed left no offsets). The records
+kept for the image are those of tasks still folded, dropped with their fold.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import time
 from collections.abc import MutableMapping
@@ -52,9 +65,10 @@ from halfway import settings as env
 from halfway.contract import Event, TaskRequested
 from halfway.contract.topics import DEAD_LETTERS, JOURNAL
 from halfway.core.fold import TaskState, TaskStatus, apply
+from halfway.journal import snapshots as snaps
 from halfway.journal.admin import cluster_id, ensure_topics_once_up, topic_partitions
 from halfway.journal.deadletters import DeadLetters
-from halfway.journal.follower import settled_for_good
+from halfway.journal.follower import RESTORE_BATCH, SNAPSHOTS_ENV, settled_for_good
 from halfway.journal.limits import fetch_limits
 from halfway.journal.records import InvalidRecord, decode
 from halfway.journal.sealed import EndedTasks, SealedTasks
@@ -150,6 +164,13 @@ class _Partition:
     # batch's tasks (BATCH_EVENTS_MAX + FETCH_RECORDS_MAX).
     sealing: set[str] = field(default_factory=set)
     dropped_to: int = 0  # every dropped (sealed) task's last event is below this offset
+    # Snapshots: the records folded into each task held (those of `states`, in log order), which
+    # is what an image holds; dropped with the task's fold.
+    history: dict[str, list[tuple[int, Event]]] = field(default_factory=dict)
+    ready: bool = True  # False while its snapshot is read and restored (`Projector._load`)
+    restored_from: int | None = None  # the offset of the image it was restored from
+    since_snapshot: int = 0  # records folded since its last snapshot (or its assignment)
+    snapshot_s: float = field(default_factory=time.monotonic)  # monotonic, when that was
 
     def resync(self, stored: int) -> None:
         """PostgreSQL holds `stored`: every task changed at or after it must be written."""
@@ -169,7 +190,15 @@ class _Partition:
         for task_id in task_ids:
             self.sealing.discard(task_id)
             del self.states[task_id]
+            self.history.pop(task_id, None)
             self.dropped_to = max(self.dropped_to, self.changed_at.pop(task_id) + 1)
+
+    @property
+    def exact_and_stored(self) -> bool:
+        """Its fold is exactly the records below `position`, all of them stored with their
+        rows: an image of it now is usable by any restart whose stored offset is not behind
+        (nothing sealed waits for its row; a sealed task's row is never written again)."""
+        return self.written_to == self.position and not self.sealing
 
     @property
     def unwritten(self) -> int:
@@ -181,12 +210,14 @@ class _Partition:
 
 class _Listener(ConsumerRebalanceListener):
     """No PostgreSQL here: the main loop may be in the middle of a batch on the connection.
-    Assigned partitions get their stored offsets from the main loop, before their first record.
+    Assigned partitions are paused until the main loop has read their stored offsets
+    (`Projector._adopt`), which then reads each from its tracker's position: not from the
+    group's committed offset, where the consumer would start by itself (a snapshot's).
 
     aiokafka rebalances eagerly (everything is revoked, then everything assigned), so a
     partition this instance keeps through a rebalance is revoked and assigned again at once.
     Its fold is still exact up to its position (nobody consumes during a rebalance, and the
-    journal only grows), so it goes on from there instead of replaying from zero; only its
+    journal only grows), so it goes on from there instead of being restored again; only its
     stored offset is read again, since another instance may have written meanwhile."""
 
     def __init__(self, projector: Projector) -> None:
@@ -200,36 +231,40 @@ class _Listener(ConsumerRebalanceListener):
                 self._kept[tp.partition] = part
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
-        kafka = self.projector._kafka()
-        new, resumed = [], []
+        projector = self.projector
+        new: list[_Partition] = []
+        resumed: list[int] = []
         for tp in assigned:
-            if tp.partition in self.projector._partitions:
+            if tp.partition in projector._partitions:
                 continue
             part = self._kept.pop(tp.partition, None)
             if part is None:
-                self.projector._partitions[tp.partition] = self.projector._new_partition(
-                    tp.partition)
-                new.append(tp)
+                part = projector._new_partition(tp.partition)
+                new.append(part)
             else:
-                part.written_to = None  # read again before the next record
-                self.projector._partitions[tp.partition] = part
-                kafka.seek(tp, part.position)
-                resumed.append(tp)
+                part.written_to = None  # read again before its next record
+                resumed.append(tp.partition)
+            projector._partitions[tp.partition] = part
         self._kept.clear()  # went to another instance: its fold is no use here
-        if new:
-            await kafka.seek_to_beginning(*new)  # replay: the fold is in memory only
-        self.projector._log.info("partitions assigned",
-                                 replayed=sorted(tp.partition for tp in new),
-                                 resumed=sorted(tp.partition for tp in resumed))
+        projector._kafka().pause(*(TopicPartition(projector.topic, n)
+                                   for n, p in projector._partitions.items()
+                                   if p.written_to is None))
+        loading = projector._load_snapshots(new)
+        projector._log.info("partitions assigned",
+                            replayed=sorted(p.number for p in new if p.ready),
+                            loading=sorted(loading), resumed=sorted(resumed))
 
 
 class Projector:
     def __init__(self, settings: KafkaSettings, dsn: str, schema: str = "halfway",
                  group: str | None = None, *, batch_events_max: int = BATCH_EVENTS_MAX,
                  writer: JournalWriter | None = None,
-                 seal_after_s: float | FromEnv | None = FROM_ENV) -> None:
-        """`writer` (started) writes the dead letters; without one, `run` starts its own.
-        `seal_after_s`: see `Sealing` (None: never seal; by default HALFWAY_SEAL_AFTER_S)."""
+                 seal_after_s: float | FromEnv | None = FROM_ENV,
+                 snapshots: bool = True) -> None:
+        """`writer` (started) writes the dead letters and snapshots; without one, `run` starts
+        its own. `seal_after_s`: see `Sealing` (None: never seal; by default
+        HALFWAY_SEAL_AFTER_S). `snapshots`: restore partitions from snapshots and write them
+        (`halfway.journal.snapshots`), unless HALFWAY_SNAPSHOTS=off."""
         self.settings = settings
         self.schema = store.checked(schema)
         self.group = group or f"{settings.topic_prefix}projector"  # one group per deployment
@@ -243,10 +278,18 @@ class Projector:
         self._verify_at = 0.0
         self._log = log.get("halfway.projector", group=self.group, schema=self.schema)
         self._writer = writer
+        self._out: JournalWriter | None = None  # the writer `run` uses (dead letters, images)
         self._dead_letters: DeadLetters | None = None
+        self.snapshots = snapshots and os.environ.get(SNAPSHOTS_ENV, "on").lower() != "off"
+        self._snapshot_every_s = snaps.every_s()
+        self._snapshotting: asyncio.Task[None] | None = None  # one image written at a time
+        self._loaders: set[asyncio.Task[None]] = set()  # one per rebalance at most, short-lived
         self.batches = 0
         self.invalid = 0  # records that are not events, folded as nothing
         self.late = 0  # events of sealed tasks, not folded
+        self.folded = 0  # records folded (valid or not), replays included
+        self.restored: dict[int, int] = {}  # partition -> offset of the image restored, used
+        self.snapshots_written: dict[int, int] = {}  # partition -> offset of its last image
 
     def _new_partition(self, number: int) -> _Partition:
         return _Partition(number, Sealing(number, self.seal_after))
@@ -274,6 +317,7 @@ class Projector:
             await self._project(writer)
 
     async def _project(self, writer: JournalWriter) -> None:
+        self._out = writer
         self._dead_letters = DeadLetters(writer, group=self.group, logger=self._log)
         self._conn = await store.connect(self._dsn)
         try:
@@ -300,6 +344,7 @@ class Projector:
                 while True:
                     await self._round()
             finally:
+                await self._stop_background()
                 await self._consumer.stop()
         finally:
             await self._conn.close()
@@ -309,14 +354,17 @@ class Projector:
         batches = await kafka.getmany(timeout_ms=FETCH_TIMEOUT_MS, max_records=FETCH_RECORDS_MAX)
         # The records belong to the assignment at this moment (aiokafka drops records of a
         # partition whose assignment changed); note which tracker each was fetched for, since
-        # a rebalance may replace trackers while _adopt waits for PostgreSQL.
-        owners = {tp: self._partitions.get(tp.partition) for tp in batches}
+        # a rebalance may replace trackers while _adopt waits for PostgreSQL. A partition
+        # adopted only now is read again from its position (`_adopt` seeks it there).
+        owners = {tp: part for tp in batches
+                  if (part := self._partitions.get(tp.partition)) is not None
+                  and part.written_to is not None}
         await self._adopt()
         fetched = 0
         refused: list[tuple[ConsumerRecord, str]] = []
         for tp, records in batches.items():
             part = self._partitions.get(tp.partition)
-            if part is None or part is not owners[tp] or part.written_to is None:
+            if part is None or part is not owners.get(tp) or part.written_to is None:
                 continue  # revoked or re-assigned meanwhile: the new owner replays from zero
             fetched += len(records)
             refused += self._fold(part, records)
@@ -331,6 +379,7 @@ class Projector:
             await self._flush()
         elif not backlog and time.monotonic() >= self._verify_at:
             await self._verify()
+        self._maybe_snapshot()
 
     def _fold(self, part: _Partition, records: list[ConsumerRecord],
               ) -> list[tuple[ConsumerRecord, str]]:
@@ -342,6 +391,8 @@ class Projector:
             if record.offset < part.position:
                 continue  # already folded
             part.position = record.offset + 1
+            part.since_snapshot += 1
+            self.folded += 1
             try:
                 event = decode(record)
             except InvalidRecord as exc:
@@ -358,6 +409,8 @@ class Projector:
                                    partition=part.number, offset=record.offset)
             else:
                 part.changed_at[event.task_id] = record.offset
+                if self.snapshots:
+                    part.history.setdefault(event.task_id, []).append((record.offset, event))
                 if record.offset >= part.written_to:
                     part.dirty.add(event.task_id)
             for state in sealed:
@@ -365,16 +418,45 @@ class Projector:
         return refused
 
     async def _adopt(self) -> None:
-        """Read the stored offsets of newly assigned partitions, before their first record."""
-        new = [p for p in self._partitions.values() if p.written_to is None]
+        """Read the stored offsets of newly assigned partitions (restored, or to replay from
+        zero: `ready`), then read each from its position."""
+        new = [p for p in self._partitions.values() if p.written_to is None and p.ready]
         if not new:
             return
         assert self._conn is not None
         stored = await store.read_offsets(self._conn, self.schema, self.topic)
+        kafka = self._kafka()
         for part in new:
-            self._resync_partition(part, stored.get(part.number, 0))
+            if self._partitions.get(part.number) is not part:
+                continue  # revoked while the offsets were read: adopted when assigned again
+            offset = stored.get(part.number, 0)
+            part = self._usable(part, offset)
+            tp = TopicPartition(self.topic, part.number)
+            with contextlib.suppress(IllegalStateError):  # revoked meanwhile
+                kafka.seek(tp, part.position)  # below the log's start: the earliest
+                kafka.resume(tp)
+            self._resync_partition(part, offset)
         self._log.info("stored offsets read", offsets={p.number: stored.get(p.number, 0)
                                                        for p in new})
+
+    def _usable(self, part: _Partition, stored: int) -> _Partition:
+        """`part`, if it is restored from an image at or below the stored offset (the replay
+        up to it writes nothing); else a tracker to replay from zero."""
+        if part.restored_from is None:
+            return part
+        if part.restored_from <= stored:
+            self.restored[part.number] = part.restored_from
+            self._log.info("partition restored from its snapshot", partition=part.number,
+                           journal_next=part.restored_from, stored=stored)
+            return part
+        # The read model went back (a rebuild swapped in, PostgreSQL restored): tasks sealed
+        # before the image may have no row now, and only a replay from zero folds them again.
+        self._log.warning("snapshot ahead of the stored offset: replaying from zero",
+                          partition=part.number, journal_next=part.restored_from,
+                          stored=stored)
+        fresh = self._new_partition(part.number)
+        self._partitions[part.number] = fresh
+        return fresh
 
     async def _advance_positions(self) -> None:
         # The consumer's position, not the last record's offset + 1: control records (from
@@ -438,6 +520,129 @@ class Projector:
         self._partitions[part.number] = fresh
         with contextlib.suppress(IllegalStateError):  # revoked meanwhile
             self._kafka().seek(TopicPartition(self.topic, part.number), 0)
+
+
+    # -- snapshots (halfway.journal.snapshots) ---------------------------------------------
+
+    def _load_snapshots(self, new: list[_Partition]) -> list[int]:
+        """Restore the newly assigned partitions from their snapshots in the background (each
+        is adopted as soon as its own is in); returns their numbers. Without snapshots they
+        replay from zero."""
+        if not self.snapshots or not new:
+            return []
+        for part in new:
+            part.ready = False
+        loader = asyncio.create_task(self._load(new))
+        self._loaders.add(loader)
+        loader.add_done_callback(self._loaders.discard)
+        return [p.number for p in new]
+
+    async def _load(self, parts: list[_Partition]) -> None:
+        """Restore each of `parts` from its image as it is read; one without a usable image
+        (none, aged out, corrupt: logged by `load_each`) replays from zero."""
+        waiting = {p.number: p for p in parts}
+        try:
+            tps = [TopicPartition(self.topic, n) for n in waiting]
+            async for number, image in snaps.load_each(self.settings, self.group, tps):
+                part = waiting.pop(number)
+                if image is not None and self._partitions.get(number) is part:
+                    try:
+                        await self._restore(part, image)
+                    except Exception:  # untouched: it replays from zero
+                        self._log.exception("snapshot not restored; replaying from zero",
+                                            partition=number)
+                part.ready = True
+        finally:
+            for part in waiting.values():  # stopping, or the reads failed: replay from zero
+                part.ready = True
+
+    async def _restore(self, part: _Partition, image: snaps.Image) -> None:
+        """The fold of the journal before `image.journal_next`, from its image, into `part`
+        (in one step at the end: `part` is fresh until then). Yields to the loop every
+        RESTORE_BATCH items: the consumer's heartbeat goes on meanwhile."""
+        seals = Sealing(part.number, self.seal_after)
+        seals.sealed.restore(part.number, image.sealed, checked=True)  # by snaps.decode
+        for i, (at, task_id) in enumerate(image.ended):
+            seals.ended.add(at, task_id)
+            if i % RESTORE_BATCH == RESTORE_BATCH - 1:
+                await asyncio.sleep(0)
+        states: dict[str, TaskState] = {}
+        changed_at: dict[str, int] = {}
+        history: dict[str, list[tuple[int, Event]]] = {}
+        for i, (offset, event) in enumerate(image.events):
+            task_id = event.task_id
+            states[task_id] = apply(states.get(task_id) or TaskState(task_id=task_id), event)
+            changed_at[task_id] = offset
+            history.setdefault(task_id, []).append((offset, event))
+            if i % RESTORE_BATCH == RESTORE_BATCH - 1:
+                await asyncio.sleep(0)
+        part.seals, part.states, part.changed_at, part.history = seals, states, changed_at, \
+            history
+        # Tasks sealed before the image left no offset: all below it (a re-sync below it
+        # replays from zero, as for a task dropped here).
+        part.position = part.dropped_to = part.restored_from = image.journal_next
+        if image.format < snaps.FORMAT:  # written by the build before: rewrite it soon
+            part.since_snapshot = snaps.EVERY_RECORDS
+
+    def _image(self, part: _Partition) -> snaps.Image:
+        """The image of `part` now (`exact_and_stored`): its open tasks' records, its sealed
+        tasks, its ended tasks waiting to be sealed."""
+        events = sorted((item for items in part.history.values() for item in items),
+                        key=lambda item: item[0])
+        return snaps.Image(partition=part.number, journal_next=part.position, side_next=None,
+                           events=events, sealed=part.seals.sealed.packed(part.number),
+                           ended=part.seals.ended.entries())
+
+    def _maybe_snapshot(self) -> None:
+        """Start writing one due snapshot (one at a time, in the background), between two
+        batches, of a partition whose fold is exact and stored."""
+        if not self.snapshots or (self._snapshotting and not self._snapshotting.done()):
+            return
+        now_s = time.monotonic()
+        for part in self._partitions.values():
+            if (not part.position or not part.exact_and_stored
+                    or not snaps.due(part.since_snapshot, now_s - part.snapshot_s,
+                                     self._snapshot_every_s)):
+                continue
+            image = self._image(part)
+            part.since_snapshot, part.snapshot_s = 0, now_s
+            self._snapshotting = asyncio.create_task(self._write_snapshot(part, image))
+            return
+
+    async def _write_snapshot(self, part: _Partition, image: snaps.Image) -> None:
+        """Encode (in a thread), write the chunks, and commit the pointer with the image's
+        offset in this group's commit of the journal partition, as the followers do."""
+        started = time.monotonic()
+        try:
+            blob = await asyncio.to_thread(snaps.encode, image)
+            if len(blob) > snaps.IMAGE_BYTES_MAX:
+                self._log.warning("partition too large to snapshot: its restart replays it",
+                                  partition=part.number, bytes=len(blob))
+                return
+            assert self._out is not None
+            pointer = await snaps.write(self._out, self.group, image, blob)
+            if self._partitions.get(part.number) is not part:
+                return  # revoked meanwhile: the new owner writes its own
+            await self._kafka().commit({TopicPartition(self.topic, part.number): (
+                image.journal_next, pointer.metadata())})
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a rebalance, the broker: the next one is due soon anyway
+            self._log.warning("snapshot not written", partition=part.number,
+                              error=f"{type(exc).__name__}: {exc}"[:300])
+            return
+        self.snapshots_written[part.number] = image.journal_next
+        self._log.info("snapshot written", partition=part.number,
+                       journal_next=image.journal_next, live_events=len(image.events),
+                       sealed=len(image.sealed) // 8, bytes=len(blob),
+                       seconds=round(time.monotonic() - started, 3))
+
+    async def _stop_background(self) -> None:
+        for task in [*self._loaders, self._snapshotting]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
 
 
 async def journal_end_offsets(settings: KafkaSettings) -> dict[int, int]:
