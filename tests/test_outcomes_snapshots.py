@@ -226,15 +226,19 @@ async def test_no_image_is_taken_while_a_sealed_task_owes_messages(
         kafka_settings: KafkaSettings) -> None:
     """The image would keep nothing of a sealed task to send its messages from."""
     partition, ids = one_partition(["owes"], kafka_settings.partitions)
-    publisher = OutcomesPublisher(kafka_settings, JournalWriter(kafka_settings))
-    owes = publisher._tasks[ids["owes"]] = _Task(partition, sealed=True)
-    first = messages(done_task(ids["owes"], T0), ids["owes"])[0]
-    owes.sequencer.seqs[first.about] = first.seq
-    owes.pending.append(first)
-    publisher._owed[ids["owes"]] = owes
-    assert publisher._image(partition) is None
-    other = (partition + 1) % kafka_settings.partitions
-    assert publisher._image(other) == {"outcomes_from": 0, "unsent": {}}
-    del publisher._owed[ids["owes"]]
-    assert publisher._image(partition) == {
-        "outcomes_from": 0, "unsent": {ids["owes"]: {owes.pending[0].about: 0}}}
+    async with JournalWriter(kafka_settings) as writer:
+        publisher = OutcomesPublisher(kafka_settings, writer)
+        try:
+            owes = publisher._tasks[ids["owes"]] = _Task(partition, sealed=True)
+            first = messages(done_task(ids["owes"], T0), ids["owes"])[0]
+            owes.sequencer.seqs[first.about] = first.seq
+            owes.pending.append(first)
+            publisher._owed[ids["owes"]] = owes
+            assert publisher._image(partition) is None
+            other = (partition + 1) % kafka_settings.partitions
+            assert publisher._image(other) == {"outcomes_from": 0, "unsent": {}}
+            del publisher._owed[ids["owes"]]
+            assert publisher._image(partition) == {
+                "outcomes_from": 0, "unsent": {ids["owes"]: {owes.pending[0].about: 0}}}
+        finally:
+            await publisher.follower._consumer.stop()  # never started: closed
