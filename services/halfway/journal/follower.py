@@ -1097,29 +1097,14 @@ class JournalFollower:
             return
 
     async def _write_snapshot(self, tp: TopicPartition, image: snaps.Image) -> None:
-        started = time.monotonic()
-        try:
-            blob = await asyncio.to_thread(snaps.encode, image)
-            if len(blob) > snaps.IMAGE_BYTES_MAX:
-                self._log.warning("partition too large to snapshot: its restart replays it",
-                                  partition=tp.partition, bytes=len(blob))
-                return
-            pointer = await snaps.write(self._writer, self.group, image, blob)
+        async def commit(metadata: str) -> bool:
             if tp not in self._partitions:
-                return  # revoked meanwhile: the new owner has its own
-            await self._consumer.kafka.commit({tp: (image.journal_next, pointer.metadata())})
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a rebalance, the broker: the next one is due soon anyway
-            self._log.warning("snapshot not written", partition=tp.partition,
-                              error=f"{type(exc).__name__}: {exc}"[:300])
-            return
-        self.snapshot_written_s = time.monotonic()
-        self._log.info("snapshot written", partition=tp.partition,
-                       journal_next=image.journal_next, live_events=len(image.events),
-                       dormant=len(image.dormant) + len(image.quiet),
-                       sealed=len(image.sealed) // 8, bytes=len(blob),
-                       seconds=round(self.snapshot_written_s - started, 3))
+                return False
+            await self._consumer.kafka.commit({tp: (image.journal_next, metadata)})
+            return True
+
+        if await snaps.write_and_point(self._writer, self.group, image, commit, self._log):
+            self.snapshot_written_s = time.monotonic()
 
 
 async def run_until_cancelled(*coros: Awaitable[None]) -> None:

@@ -34,7 +34,7 @@ import sys
 import time
 import zlib
 from array import array
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from itertools import accumulate
@@ -403,6 +403,36 @@ async def write(writer: JournalWriter, group: str, image: Image, blob: bytes) ->
             first = sent
     return Pointer(snapshot_id, first.partition, first.offset, len(chunks), len(blob),
                    hashlib.sha256(blob).hexdigest())
+
+
+async def write_and_point(writer: JournalWriter, group: str, image: Image,
+                          commit: Callable[[str], Awaitable[bool]], logger: Any) -> bool:
+    """Encode `image` (in a thread), append its chunks, then `commit` the pointer's metadata
+    with the image's offset (False: the partition is no longer the writer's). Logged either
+    way; True once committed. A failure (a rebalance, the broker) is only logged: the next
+    image is due soon anyway."""
+    started = time.monotonic()
+    try:
+        blob = await asyncio.to_thread(encode, image)
+        if len(blob) > IMAGE_BYTES_MAX:
+            logger.warning("partition too large to snapshot: its restart replays it",
+                           partition=image.partition, bytes=len(blob))
+            return False
+        pointer = await write(writer, group, image, blob)
+        if not await commit(pointer.metadata()):
+            return False  # revoked meanwhile: the new owner writes its own
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        logger.warning("snapshot not written", partition=image.partition,
+                       error=f"{type(exc).__name__}: {exc}"[:300])
+        return False
+    logger.info("snapshot written", partition=image.partition,
+                journal_next=image.journal_next, live_events=len(image.events),
+                dormant=len(image.dormant) + len(image.quiet),
+                sealed=len(image.sealed) // 8, bytes=len(blob),
+                seconds=round(time.monotonic() - started, 3))
+    return True
 
 
 async def pointers(settings: KafkaSettings, group: str,

@@ -610,32 +610,18 @@ class Projector:
             return
 
     async def _write_snapshot(self, part: _Partition, image: snaps.Image) -> None:
-        """Encode (in a thread), write the chunks, and commit the pointer with the image's
-        offset in this group's commit of the journal partition, as the followers do."""
-        started = time.monotonic()
-        try:
-            blob = await asyncio.to_thread(snaps.encode, image)
-            if len(blob) > snaps.IMAGE_BYTES_MAX:
-                self._log.warning("partition too large to snapshot: its restart replays it",
-                                  partition=part.number, bytes=len(blob))
-                return
-            assert self._out is not None
-            pointer = await snaps.write(self._out, self.group, image, blob)
+        """Write the image and commit its pointer in this group's commit of the journal
+        partition, as the followers do."""
+        async def commit(metadata: str) -> bool:
             if self._partitions.get(part.number) is not part:
-                return  # revoked meanwhile: the new owner writes its own
+                return False
             await self._kafka().commit({TopicPartition(self.topic, part.number): (
-                image.journal_next, pointer.metadata())})
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a rebalance, the broker: the next one is due soon anyway
-            self._log.warning("snapshot not written", partition=part.number,
-                              error=f"{type(exc).__name__}: {exc}"[:300])
-            return
-        self.snapshots_written[part.number] = image.journal_next
-        self._log.info("snapshot written", partition=part.number,
-                       journal_next=image.journal_next, live_events=len(image.events),
-                       sealed=len(image.sealed) // 8, bytes=len(blob),
-                       seconds=round(time.monotonic() - started, 3))
+                image.journal_next, metadata)})
+            return True
+
+        assert self._out is not None
+        if await snaps.write_and_point(self._out, self.group, image, commit, self._log):
+            self.snapshots_written[part.number] = image.journal_next
 
     async def _stop_background(self) -> None:
         for task in [*self._loaders, self._snapshotting]:
