@@ -906,15 +906,15 @@ class JournalFollower:
             return
         # Partitions with a snapshot are paused and restored in the background, each served
         # as soon as its image is in (a restart acts on one partition's tasks without waiting
-        # for every image); the others are read from zero at once.
-        candidates = self._snapshot_candidates(new)
+        # for every image); the others are read from zero at once, but for a service that
+        # reads something first (`on_assign`, in the background too: a rebalance listener
+        # that runs past the session timeout loses the partitions, and it starts over).
+        candidates = self._loadable(new)
         committed = await snaps.snapshotted(self._settings, self.group, candidates) \
-            if candidates else {}
-        candidates = [tp for tp in candidates if tp in committed]
+            if candidates and self.snapshots else {}
+        candidates = [tp for tp in candidates
+                      if tp in committed or self._on_assign is not None]
         numbers = {tp.partition for tp in candidates}
-        if self._on_assign is not None:
-            await self._on_assign({tp.partition for tp in new
-                                   if tp.topic == self._journal and tp.partition not in numbers})
         ends = await kafka.end_offsets(new)
         parts = {tp: _Partition(end_at_assign=ends[tp]) for tp in new}
         for tp in new:
@@ -953,10 +953,11 @@ class JournalFollower:
 
     # -- snapshots (halfway.journal.snapshots) ---------------------------------------------
 
-    def _snapshot_candidates(self, new: list[TopicPartition]) -> list[TopicPartition]:
-        """The journal partitions newly owned that may be restored from a snapshot: those
-        whose side partition (if any) is newly owned too, as the image covers both."""
-        if not self.snapshots:
+    def _loadable(self, new: list[TopicPartition]) -> list[TopicPartition]:
+        """The journal partitions newly owned that may be loaded in the background (restored
+        from a snapshot, or read from zero once `on_assign` is done): those whose side
+        partition (if any) is newly owned too, as the image covers both."""
+        if not self.snapshots and self._on_assign is None:
             return []
         return [tp for tp in new if tp.topic == self._journal
                 and (self._side is None or TopicPartition(self._side, tp.partition) in new)]
