@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from halfway.contract import Event, FinalState, Outcome, SettlementSource
 from halfway.contract.topics import JOURNAL, TASKS
 from halfway.journal import snapshots
-from halfway.journal.follower import JournalFollower
+from halfway.journal.follower import SNAPSHOTS_ENV, JournalFollower
 from halfway.journal.writer import JournalWriter
 from halfway.settings import KafkaSettings
 from tests.factories import Stamper
@@ -468,3 +468,33 @@ async def test_a_partition_revoked_while_loading_leaves_nothing_behind(
     assert not f.restored
     assert len(f.sealed) == 0
     assert JOURNAL_TP not in kafka.sought
+
+
+async def test_what_a_service_reads_before_a_replay_is_read_outside_the_rebalance_listener(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`on_assign` (the outcomes publisher reads its whole topic) may take longer than the
+    session timeout: in the listener, the group would take the partition away and the read
+    start over. The listener returns at once; the partition waits, paused, until it is done."""
+    monkeypatch.setenv(SNAPSHOTS_ENV, "off")
+    reading, done_reading = asyncio.Event(), asyncio.Event()
+    asked: list[set[int]] = []
+
+    async def on_assign(partitions: set[int]) -> None:
+        asked.append(partitions)
+        reading.set()
+        await done_reading.wait()
+
+    f = unstarted(SETTINGS, "snap.outcomes", [], on_assign=on_assign)
+    kafka = FakeKafka()
+    monkeypatch.setattr(f._consumer, "_consumer", kafka)  # the real one back to be closed
+    await f._adopt([JOURNAL_TP])  # the rebalance listener's part: returns with the read to do
+    assert kafka.paused == {JOURNAL_TP}
+    assert f._partitions == {}
+    await asyncio.wait_for(reading.wait(), WAIT_S)  # the loader reads
+    assert asked == [{0}]
+    assert f._partitions == {}  # not read before that is done
+    done_reading.set()
+    await settle(f)
+    assert JOURNAL_TP in f._partitions
+    assert kafka.paused == set()
+    assert kafka.sought[JOURNAL_TP] == 0  # from zero
