@@ -326,10 +326,14 @@ RUN_TIMEOUT_S = 240.0  # a hang guard, far above the ~100 s a run takes
 @pytest.mark.load
 @pytest.mark.timeout(RUN_TIMEOUT_S)
 @pytest.mark.parametrize("workers", [False, True], ids=["services", "workers-and-trips"])
-async def test_a_small_chaos_run_charges_once_and_loses_nothing(tmp_path: Path,
-                                                                workers: bool) -> None:
+async def test_a_small_chaos_run_charges_once_and_loses_nothing(
+        tmp_path: Path, workers: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     # Kinds take turns, so each kind is killed once. A decider that wakes up as a zombie is
     # the one that can place a step twice (a worker: place and send it): the long pause's.
+    if workers:
+        # Images every second with news: partitions taken over after a kill or a pause are
+        # restored from snapshots (those of the outcomes publisher and the projector too).
+        monkeypatch.setenv("HALFWAY_SNAPSHOT_EVERY_S", "1")
     config = ChaosConfig(tasks=TASKS, seed=10, window_s=WINDOW_S, drain_s=DRAIN_S,
                          pauses=PAUSES, long_pauses=LONG_PAUSES, shuts=SHUTS,
                          broker_kill=True, key_ttl_s=KEY_TTL_S, run_dir=tmp_path / "chaos",
@@ -356,3 +360,7 @@ async def test_a_small_chaos_run_charges_once_and_loses_nothing(tmp_path: Path,
         assert verdict.final_states["compensated"], text
     assert (len(verdict.duplicates), len(verdict.lost), verdict.wrong_tasks,
             len(verdict.stuck)) == (0, 0, 0, 0), f"{text}\n\n{findings}"
+    if workers:
+        restored = sum(log.read_text(errors="replace").count('"partition restored')
+                       for log in (tmp_path / "chaos").rglob("*.log"))
+        assert restored > 0, "no partition was restored from a snapshot"

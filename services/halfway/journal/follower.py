@@ -965,42 +965,67 @@ class JournalFollower:
     async def _load(self, journal: list[TopicPartition],
                     committed: dict[TopicPartition, tuple[int, str]]) -> None:
         """Restore each partition from its image as it is read (or, without a usable one,
-        read it from zero), then resume it. A partition revoked meanwhile is dropped."""
-        async for number, image in snaps.load_each(self._settings, self.group, journal,
-                                                   committed):
-            parts = self._loading.get(number)
+        read it from zero), then resume it; each partition's own work (the service's hook, the
+        restore) goes on beside the others', one task per partition just assigned."""
+        async with asyncio.TaskGroup() as group:
+            async for number, image in snaps.load_each(self._settings, self.group, journal,
+                                                       committed):
+                group.create_task(self._load_one(number, image))
+
+    async def _load_one(self, number: int, image: snaps.Image | None) -> None:
+        """One partition's load. A partition revoked meanwhile is dropped; one whose load
+        fails is read from zero (logged), never left paused."""
+        try:
+            await self._load_partition(number, image)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self._log.exception("partition not loaded; it is read from zero", partition=number)
+            parts = self._loading.pop(number, None)
             if parts is None:
-                continue  # revoked while its image was read
-            tp = TopicPartition(self._journal, number)
-            starts: dict[TopicPartition, int] = {}
-            wake: set[str] = set()
-            if image is None and self._on_assign is not None:
-                await self._on_assign({number})
-            elif image is not None and self._on_restore is not None:
-                wake = await self._on_restore(number, image.journal_next, image.service)
-            if self._loading.get(number) is not parts:
-                # Revoked meanwhile: what the hook made of it goes too, unless it is ours again.
-                if (self._on_revoke is not None and number not in self._loading
-                        and tp not in self._partitions):
-                    self._on_revoke({number})
-                continue
-            if image is not None:
-                await self._restore(tp, image, parts, wake)
-                if self._loading.get(number) is not parts:  # revoked while restoring
-                    for revoked_tp, part in parts.items():
-                        self._drop(revoked_tp, part)
-                    continue
-                starts[tp] = image.journal_next
-                side = None if self._side is None else TopicPartition(self._side, number)
-                if side in parts and image.side_next is not None:
-                    parts[side].applied_to = image.side_next - 1
-                    starts[side] = image.side_next
-            del self._loading[number]
-            self._serve(parts, starts)
-            self._consumer.resume(*parts)
-            self._wake.set()  # a quiet fetch under way ends: the next one reads these too
-            self._log.info("partition restored" if image is not None else
-                           "partition read from zero", partition=number)
+                return
+            for tp, part in parts.items():
+                self._drop(tp, part)
+            fresh = {tp: _Partition(end_at_assign=part.end_at_assign)
+                     for tp, part in parts.items()}
+            self._serve(fresh, {})
+            self._consumer.resume(*fresh)
+            self._wake.set()
+
+    async def _load_partition(self, number: int, image: snaps.Image | None) -> None:
+        parts = self._loading.get(number)
+        if parts is None:
+            return  # revoked while its image was read
+        tp = TopicPartition(self._journal, number)
+        starts: dict[TopicPartition, int] = {}
+        wake: set[str] = set()
+        if image is None and self._on_assign is not None:
+            await self._on_assign({number})
+        elif image is not None and self._on_restore is not None:
+            wake = await self._on_restore(number, image.journal_next, image.service)
+        if self._loading.get(number) is not parts:
+            # Revoked meanwhile: what the hook made of it goes too, unless it is ours again.
+            if (self._on_revoke is not None and number not in self._loading
+                    and tp not in self._partitions):
+                self._on_revoke({number})
+            return
+        if image is not None:
+            await self._restore(tp, image, parts, wake)
+            if self._loading.get(number) is not parts:  # revoked while restoring
+                for revoked_tp, part in parts.items():
+                    self._drop(revoked_tp, part)
+                return
+            starts[tp] = image.journal_next
+            side = None if self._side is None else TopicPartition(self._side, number)
+            if side in parts and image.side_next is not None:
+                parts[side].applied_to = image.side_next - 1
+                starts[side] = image.side_next
+        del self._loading[number]
+        self._serve(parts, starts)
+        self._consumer.resume(*parts)
+        self._wake.set()  # a quiet fetch under way ends: the next one reads these too
+        self._log.info("partition restored" if image is not None else
+                       "partition read from zero", partition=number)
 
     async def _restore(self, tp: TopicPartition, image: snaps.Image,
                        parts: dict[TopicPartition, _Partition],
