@@ -36,7 +36,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from halfway.contract import (
     DecidedBy,
@@ -65,6 +65,7 @@ HISTORY_DAYS = 30
 LOG_DIR = Path(".halfway/bench")  # the service's log of each run
 SERVICES = ("decider", "outcomes")
 WAIT_S = 1800.0  # for one restart, at the largest size
+QUIET_S = 3.0  # the outcomes topic's end unchanged this long: the publisher told everything
 
 
 def history(task_id: str, at: datetime) -> list[Event]:
@@ -215,11 +216,30 @@ def snapshotted(log_path: Path) -> set[int]:
     return written | restored
 
 
+async def quiet(settings: KafkaSettings) -> None:
+    """Until the outcomes topic's end has not moved for QUIET_S: nothing left to tell."""
+    topic = OUTCOMES.name(settings.topic_prefix)
+    consumer = AIOKafkaConsumer(**settings.client(), group_id=None)
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in range(JOURNAL.partitions)]  # as many
+        last, since = -1, time.monotonic()
+        while time.monotonic() - since < QUIET_S:
+            end = sum((await consumer.end_offsets(tps)).values())
+            if end != last:
+                last, since = end, time.monotonic()
+            await asyncio.sleep(0.5)  # an end offset has no notification: polled, bounded
+    finally:
+        await consumer.stop()
+
+
 async def restart(settings: KafkaSettings, service: str, label: str, *,
                   until_snapshots: int = 0, snapshots: bool = True,
                   ) -> tuple[float, float, Path]:
     """Start the service, time its first action on a fresh live task, and its RSS then; with
-    `until_snapshots`, keep it running until it wrote snapshots of that many partitions."""
+    `until_snapshots`, keep it running until it wrote snapshots of that many partitions. The
+    outcomes publisher is stopped only once it told everything: the next start times a
+    restart, not what this one left to send."""
     env = dict(os.environ) | {"HALFWAY_TOPIC_PREFIX": settings.topic_prefix,
                               "HALFWAY_LOG_FORMAT": "json",
                               # Snapshot as soon as a partition caught up (a benchmark has
@@ -242,6 +262,8 @@ async def restart(settings: KafkaSettings, service: str, label: str, *,
         async with asyncio.timeout(WAIT_S):
             while len(snapshotted(log_path)) < until_snapshots:  # noqa: ASYNC110 (a log file has no notification)
                 await asyncio.sleep(0.5)
+            if service == "outcomes":
+                await quiet(settings)
     finally:
         proc.terminate()
         await proc.wait()
