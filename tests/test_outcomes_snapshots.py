@@ -9,6 +9,7 @@ with what `derive` makes of each task's whole journal: the same ids and contents
 from __future__ import annotations
 
 import asyncio
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from halfway.contract.outcomes import OutcomeChanged
 from halfway.contract.topics import OUTCOMES
 from halfway.journal import JournalWriter
 from halfway.journal.follower import SNAPSHOTS_ENV
+from halfway.journal.reader import FETCH_RECORDS_MAX
 from halfway.journal.snapshots import EVERY_S_ENV
 from halfway.outcomes import OutcomesPublisher, messages
 from halfway.outcomes.service import _Task
@@ -41,6 +43,7 @@ from tests.test_outcomes_sealing import (
 )
 
 pytestmark = pytest.mark.broker
+MINUTE = timedelta(minutes=1)
 
 
 @pytest.fixture(autouse=True)
@@ -242,3 +245,28 @@ async def test_no_image_is_taken_while_a_sealed_task_owes_messages(
                 "outcomes_from": 0, "unsent": {ids["owes"]: {owes.pending[0].about: 0}}}
         finally:
             await publisher.follower._consumer.stop()  # never started: closed
+
+
+async def test_a_task_gone_dormant_while_the_partition_caught_up_is_told(
+        kafka_settings: KafkaSettings) -> None:
+    """A task over for more than a minute of the journal's clock when the publisher reads it
+    goes dormant during the replay (its history kept as bytes), before any of its messages is
+    sent: they are still sent once the partition has caught up."""
+    # More records than one fetch brings: the task goes dormant before the catch-up.
+    fillers = [f"filler{n}" for n in range(FETCH_RECORDS_MAX // 5 + 20)]
+    partition, ids = one_partition(["quiet", *fillers, "later"], kafka_settings.partitions)
+    quiet, later = ids["quiet"], ids["later"]
+    logs = {quiet: done_task(quiet, T0),
+            **{ids[f]: done_task(ids[f], T0 + 2 * MINUTE) for f in fillers},
+            later: done_task(later, T0 + HOUR)}
+    expected = {t: messages(log, t) for t, log in logs.items()}
+    async with (deployment(kafka_settings) as settings, JournalWriter(settings) as journal,
+                OutcomeStream(settings, None, from_beginning=True) as stream):
+        await journal.append_all([e for log in logs.values() for e in log])  # before it starts
+        seen: dict[str, OutcomeChanged] = {}
+        async with publishing(settings) as (publisher, changed):
+            await until_seen(stream, seen, [m for ms in expected.values() for m in ms],
+                             "every message")
+            await until(changed, lambda: idle(publisher), "the publisher sent everything")
+            assert quiet in publisher.follower.dormant  # it did go dormant
+        await each_once(settings, partition, expected)

@@ -121,7 +121,8 @@ class OutcomesPublisher:
                                         on_assign=self._load_published,
                                         on_restore=self._restoring, on_image=self._image,
                                         on_revoke=self._forget, on_seal=self._sealed,
-                                        seal_after_s=env.seal_after_s(), snapshots=True)
+                                        seal_after_s=env.seal_after_s(), snapshots=True,
+                                        wake_on_catch_up=self._owes)
         self._tasks: dict[str, _Task] = {}
         # Highest seq on the outcomes topic when the partition was assigned, for what the
         # replay has not numbered yet: partition -> task -> about -> seq, for the partitions we
@@ -154,6 +155,12 @@ class OutcomesPublisher:
             await self.follower.stop()
 
     # -- called by the follower ------------------------------------------------------------
+
+    def _owes(self, task_id: str) -> bool:
+        """A task the follower made dormant while its partition caught up (over for a minute
+        by the journal's clock) is reported then only if it has messages to send."""
+        task = self._tasks.get(task_id)
+        return task is not None and bool(task.pending)
 
     def _observe(self, before: TaskState | None, after: TaskState, partition: int,
                  offset: int) -> None:
