@@ -45,7 +45,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import os
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable
@@ -93,8 +92,7 @@ OnRestore = Callable[[int, int, dict[str, Any] | None], Awaitable[set[str]]]
 OnImage = Callable[[int], dict[str, Any] | None]
 # ...and a task sealed (journal partition number, task id), once it reads as sealed.
 OnSeal = Callable[[int, str], None]
-# `HALFWAY_SNAPSHOTS=off`: never read or write snapshots (every restart replays from zero).
-SNAPSHOTS_ENV = "HALFWAY_SNAPSHOTS"
+SNAPSHOTS_ENV = snaps.ENABLED_ENV
 RESTORE_BATCH = 2000  # items restored from an image between two yields to the loop
 # Every this many records folded, the process's objects are collected once and then frozen
 # (`gc.freeze`): the cycle collector no longer walks the state already built. A full collection
@@ -288,7 +286,7 @@ class JournalFollower:
         self._quieting: dict[int, deque[tuple[datetime, str]]] = {}
         # Snapshots: the journal records folded into each task's state since it was last
         # sealed (all of them for a live task), which is what an image of its partition holds.
-        self.snapshots = snapshots and os.environ.get(SNAPSHOTS_ENV, "on").lower() != "off"
+        self.snapshots = snaps.enabled(snapshots)
         self._history: dict[str, list[tuple[int, Event]]] = {}
         self._snapshotting: asyncio.Task[None] | None = None
         self._snapshot_every_s = snaps.every_s()
@@ -904,16 +902,12 @@ class JournalFollower:
         new = [tp for tp in assigned if tp not in self._partitions]
         if not new:
             return
-        # Partitions with a snapshot are paused and restored in the background, each served
-        # as soon as its image is in (a restart acts on one partition's tasks without waiting
-        # for every image); the others are read from zero at once, but for a service that
-        # reads something first (`on_assign`, in the background too: a rebalance listener
-        # that runs past the session timeout loses the partitions, and it starts over).
+        # Partitions that may have a snapshot, or whose service reads something first
+        # (`on_assign`), are paused and loaded in the background, each served as soon as its
+        # own load is done (a restart acts on one partition's tasks without waiting for every
+        # image); nothing here waits on the network: a rebalance listener that runs past the
+        # session timeout loses the partitions, and it starts over.
         candidates = self._loadable(new)
-        committed = await snaps.snapshotted(self._settings, self.group, candidates) \
-            if candidates and self.snapshots else {}
-        candidates = [tp for tp in candidates
-                      if tp in committed or self._on_assign is not None]
         numbers = {tp.partition for tp in candidates}
         ends = await kafka.end_offsets(new)
         parts = {tp: _Partition(end_at_assign=ends[tp]) for tp in new}
@@ -926,7 +920,7 @@ class JournalFollower:
                                      if tp.partition == number}
         if later:
             self._consumer.pause(*later)
-            loader = asyncio.create_task(self._load(candidates, committed))
+            loader = asyncio.create_task(self._load(candidates))
             self._loaders.add(loader)
             loader.add_done_callback(self._loaders.discard)
         self._serve({tp: part for tp, part in parts.items() if tp not in later}, {})
@@ -962,14 +956,13 @@ class JournalFollower:
         return [tp for tp in new if tp.topic == self._journal
                 and (self._side is None or TopicPartition(self._side, tp.partition) in new)]
 
-    async def _load(self, journal: list[TopicPartition],
-                    committed: dict[TopicPartition, tuple[int, str]]) -> None:
+    async def _load(self, journal: list[TopicPartition]) -> None:
         """Restore each partition from its image as it is read (or, without a usable one,
         read it from zero), then resume it; each partition's own work (the service's hook, the
         restore) goes on beside the others', one task per partition just assigned."""
         async with asyncio.TaskGroup() as group:
             async for number, image in snaps.load_each(self._settings, self.group, journal,
-                                                       committed):
+                                                       wanted=self.snapshots):
                 group.create_task(self._load_one(number, image))
 
     async def _load_one(self, number: int, image: snaps.Image | None) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import struct
 import sys
 import time
@@ -63,6 +64,13 @@ EVERY_RECORDS = 50_000
 EVERY_S = 300.0
 REFRESH_S = 86_400.0
 EVERY_S_ENV = "HALFWAY_SNAPSHOT_EVERY_S"  # EVERY_S, for tests and operators
+# `HALFWAY_SNAPSHOTS=off`: never read or write snapshots (every restart replays from zero).
+ENABLED_ENV = "HALFWAY_SNAPSHOTS"
+
+
+def enabled(wanted: bool) -> bool:
+    """Whether a service that `wanted` snapshots reads and writes them (ENABLED_ENV)."""
+    return wanted and os.environ.get(ENABLED_ENV, "on").lower() != "off"
 
 
 def every_s() -> float:
@@ -494,8 +502,8 @@ async def read(settings: KafkaSettings, group: str, partition: int, pointer: Poi
     return blob
 
 
-async def snapshotted(settings: KafkaSettings, group: str, tps: list[TopicPartition],
-                      ) -> dict[TopicPartition, tuple[int, str]]:
+async def _snapshotted(settings: KafkaSettings, group: str, tps: list[TopicPartition],
+                       ) -> dict[TopicPartition, tuple[int, str]]:
     """`pointers`, of the partitions that have one (none if they cannot be fetched within
     POINTERS_TIMEOUT_S: logged)."""
     try:
@@ -509,15 +517,13 @@ async def snapshotted(settings: KafkaSettings, group: str, tps: list[TopicPartit
     return {tp: pointer for tp, pointer in committed.items() if pointer[1]}
 
 
-async def load_each(settings: KafkaSettings, group: str, tps: list[TopicPartition],
-                    committed: dict[TopicPartition, tuple[int, str]] | None = None,
-                    ) -> AsyncIterator[tuple[int, Image | None]]:
+async def load_each(settings: KafkaSettings, group: str, tps: list[TopicPartition], *,
+                    wanted: bool = True) -> AsyncIterator[tuple[int, Image | None]]:
     """(partition, its usable image or None) for each journal partition in `tps`, in the
-    order they are read: a follower serves each one as soon as it is restored. None: replay
-    that partition from zero. `committed`: their `snapshotted` pointers, if fetched already."""
+    order they are read (those without a snapshot first): a follower serves each one as soon
+    as it is restored. None: replay that partition from zero (every one, unless `wanted`)."""
     logger = log.get("halfway.snapshots", group=group)
-    if committed is None:
-        committed = await snapshotted(settings, group, tps)
+    committed = await _snapshotted(settings, group, tps) if wanted else {}
 
     at_once = asyncio.Semaphore(READS_AT_ONCE)
 

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import time
 from collections.abc import MutableMapping
@@ -68,7 +67,7 @@ from halfway.core.fold import TaskState, TaskStatus, apply
 from halfway.journal import snapshots as snaps
 from halfway.journal.admin import cluster_id, ensure_topics_once_up, topic_partitions
 from halfway.journal.deadletters import DeadLetters
-from halfway.journal.follower import RESTORE_BATCH, SNAPSHOTS_ENV, settled_for_good
+from halfway.journal.follower import RESTORE_BATCH, settled_for_good
 from halfway.journal.limits import fetch_limits
 from halfway.journal.records import InvalidRecord, decode
 from halfway.journal.sealed import EndedTasks, SealedTasks
@@ -280,7 +279,7 @@ class Projector:
         self._writer = writer
         self._out: JournalWriter | None = None  # the writer `run` uses (dead letters, images)
         self._dead_letters: DeadLetters | None = None
-        self.snapshots = snapshots and os.environ.get(SNAPSHOTS_ENV, "on").lower() != "off"
+        self.snapshots = snaps.enabled(snapshots)
         self._snapshot_every_s = snaps.every_s()
         self._snapshotting: asyncio.Task[None] | None = None  # one image written at a time
         self._loaders: set[asyncio.Task[None]] = set()  # one per rebalance at most, short-lived
