@@ -9,6 +9,9 @@ with what `derive` makes of each task's whole journal: the same ids and contents
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -118,11 +121,41 @@ async def image_at(changed: asyncio.Condition, written: list[tuple[int, int]], p
                 f"an image of partition {partition} at {offset}")
 
 
-async def each_once(settings: KafkaSettings, partition: int,
-                    expected: dict[str, list[OutcomeChanged]]) -> None:
-    topic = await on_topic(settings, partition)
-    for task_id, wanted in expected.items():
-        assert topic.get(task_id) == wanted, task_id
+@dataclass
+class Scene:
+    """A deployment of its own whose tasks (`logs`) are all on `partition`, a journal writer,
+    and a subscriber that has `seen` what it read (by message id)."""
+
+    settings: KafkaSettings
+    journal: JournalWriter
+    stream: OutcomeStream
+    partition: int
+    logs: dict[str, list[Event]]
+    seen: dict[str, OutcomeChanged] = field(default_factory=dict)
+
+    def told(self, *task_ids: str) -> list[OutcomeChanged]:
+        """What `derive` makes of these tasks' journals (all of them: every task's)."""
+        return [m for t in task_ids or self.logs for m in messages(self.logs[t], t)]
+
+    async def until_told(self, publisher: OutcomesPublisher, changed: asyncio.Condition,
+                         wanted: list[OutcomeChanged], what: str) -> None:
+        """`wanted` seen by the subscriber, and the publisher with nothing left to send."""
+        await until_seen(self.stream, self.seen, wanted, what)
+        await until(changed, lambda: idle(publisher), f"{what}: the publisher is idle")
+
+    async def each_once(self) -> None:
+        """On the topic: every task's messages, each once, in order."""
+        topic = await on_topic(self.settings, self.partition)
+        for task_id in self.logs:
+            assert topic.get(task_id) == self.told(task_id), task_id
+
+
+@contextlib.asynccontextmanager
+async def scene(base: KafkaSettings, partition: int,
+                logs: dict[str, list[Event]]) -> AsyncIterator[Scene]:
+    async with (deployment(base) as settings, JournalWriter(settings) as journal,
+                OutcomeStream(settings, None, from_beginning=True) as stream):
+        yield Scene(settings, journal, stream, partition, logs)
 
 
 async def test_a_restart_reads_the_tails_after_the_image_and_tells_everything_once(
@@ -132,35 +165,28 @@ async def test_a_restart_reads_the_tails_after_the_image_and_tells_everything_on
     live_start, live_end = open_task(live)
     logs = {over: done_task(over, T0), live: [*live_start, *live_end],
             later: done_task(later, T0 + 2 * HOUR)}
-    expected = {t: messages(log, t) for t, log in logs.items()}
-    async with (deployment(kafka_settings) as settings, JournalWriter(settings) as journal,
-                OutcomeStream(settings, None, from_beginning=True) as stream):
-        seen: dict[str, OutcomeChanged] = {}
-        async with publishing(settings) as (first, changed):
+    async with scene(kafka_settings, partition, logs) as s:
+        async with publishing(s.settings) as (first, changed):
             written, imaged = images(first)
-            await journal.append_all([*logs[over], *live_start])
-            told = [*expected[over], *messages(live_start, live)]
-            await until_seen(stream, seen, told, "what the first publisher tells")
-            await until(changed, lambda: idle(first), "the first publisher sent everything")
+            await s.journal.append_all([*logs[over], *live_start])
+            told = [*s.told(over), *messages(live_start, live)]
+            await s.until_told(first, changed, told, "what the first publisher tells")
             # A record that changes nothing (a redelivery), so an image is taken after the
             # messages are acknowledged: it knows they are on the topic.
-            (again,) = await journal.append_all([live_start[-1]])
+            (again,) = await s.journal.append_all([live_start[-1]])
             image_next = again.offset + 1
             await image_at(imaged, written, partition, image_next)
-        told_before = len(told)
         # Down: the live task goes on and another one runs.
-        await journal.append_all([*live_end, *logs[later]])
+        await s.journal.append_all([*live_end, *logs[later]])
 
-        async with publishing(settings) as (second, changed):
+        async with publishing(s.settings) as (second, changed):
             started = reads(second)
-            await until_seen(stream, seen, [m for ms in expected.values() for m in ms],
-                             "every message after the restart")
-            await until(changed, lambda: idle(second), "the second publisher sent everything")
+            await s.until_told(second, changed, s.told(), "every message after the restart")
             assert second.follower.restored.get(partition, -1) >= image_next
             # Its read of the outcomes topic started where the first publisher's acks ended.
-            assert {partition: told_before} in started
-            assert second.published == sum(map(len, expected.values())) - told_before
-        await each_once(settings, partition, expected)
+            assert {partition: len(told)} in started
+            assert second.published == len(s.told()) - len(told)
+        await s.each_once()
 
 
 async def test_messages_not_acknowledged_when_the_image_was_taken_are_sent_after_it(
@@ -173,30 +199,24 @@ async def test_messages_not_acknowledged_when_the_image_was_taken_are_sent_after
     open_start, open_end = open_task(open_)
     logs = {sent: done_task(sent, T0), over: done_task(over, T0 + HOUR),
             open_: [*open_start, *open_end]}
-    expected = {t: messages(log, t) for t, log in logs.items()}
-    async with (deployment(kafka_settings) as settings, JournalWriter(settings) as journal,
-                OutcomeStream(settings, None, from_beginning=True) as stream):
-        seen: dict[str, OutcomeChanged] = {}
-        async with publishing(settings) as (first, changed):
+    async with scene(kafka_settings, partition, logs) as s:
+        async with publishing(s.settings) as (first, changed):
             written, imaged = images(first)
-            await journal.append_all(logs[sent])
-            await until_seen(stream, seen, expected[sent], "the first task's messages")
-            await until(changed, lambda: idle(first), "the first publisher sent everything")
+            await s.journal.append_all(logs[sent])
+            await s.until_told(first, changed, s.told(sent), "the first task's messages")
             failing_after(first, sends=2)
-            metas = await journal.append_all([*logs[over], *open_start])
+            metas = await s.journal.append_all([*logs[over], *open_start])
             await image_at(imaged, written, partition, metas[-1].offset + 1)
             unsent = first._image(partition)
             assert unsent is not None
             # Two sends went through: the task over (restored dormant) has some held back.
             assert over in unsent["unsent"], unsent
 
-        await journal.append_all(open_end)
-        async with publishing(settings) as (second, changed):
-            await until_seen(stream, seen, [m for ms in expected.values() for m in ms],
-                             "every message after the restart")
-            await until(changed, lambda: idle(second), "the second publisher sent everything")
+        await s.journal.append_all(open_end)
+        async with publishing(s.settings) as (second, changed):
+            await s.until_told(second, changed, s.told(), "every message after the restart")
             assert partition in second.follower.restored
-        await each_once(settings, partition, expected)
+        await s.each_once()
 
 
 async def test_an_image_without_the_outcomes_part_falls_back_to_reading_the_whole_topic(
@@ -204,25 +224,21 @@ async def test_an_image_without_the_outcomes_part_falls_back_to_reading_the_whol
     partition, ids = one_partition(["one", "two"], kafka_settings.partitions)
     one, two = ids["one"], ids["two"]
     logs = {one: done_task(one, T0), two: done_task(two, T0 + HOUR)}
-    expected = {t: messages(log, t) for t, log in logs.items()}
-    async with (deployment(kafka_settings) as settings, JournalWriter(settings) as journal,
-                OutcomeStream(settings, None, from_beginning=True) as stream):
-        seen: dict[str, OutcomeChanged] = {}
-        async with publishing(settings) as (first, changed):
+    async with scene(kafka_settings, partition, logs) as s:
+        async with publishing(s.settings) as (first, changed):
             written, imaged = images(first)
             first.follower._on_image = lambda partition: {}
-            metas = await journal.append_all(logs[one])
-            await until_seen(stream, seen, expected[one], "the first task's messages")
+            metas = await s.journal.append_all(logs[one])
+            await s.until_told(first, changed, s.told(one), "the first task's messages")
             await image_at(imaged, written, partition, metas[-1].offset + 1)
-        await journal.append_all(logs[two])
-        async with publishing(settings) as (second, changed):
+        await s.journal.append_all(logs[two])
+        async with publishing(s.settings) as (second, changed):
             started = reads(second)
-            await until_seen(stream, seen, expected[two], "the second task's messages")
-            await until(changed, lambda: idle(second), "the second publisher sent everything")
+            await s.until_told(second, changed, s.told(two), "the second task's messages")
             assert partition in second.follower.restored
             assert None in started  # the whole partition
-            assert second.published == len(expected[two])
-        await each_once(settings, partition, expected)
+            assert second.published == len(s.told(two))
+        await s.each_once()
 
 
 async def test_no_image_is_taken_while_a_sealed_task_owes_messages(
@@ -259,14 +275,9 @@ async def test_a_task_gone_dormant_while_the_partition_caught_up_is_told(
     logs = {quiet: done_task(quiet, T0),
             **{ids[f]: done_task(ids[f], T0 + 2 * MINUTE) for f in fillers},
             later: done_task(later, T0 + HOUR)}
-    expected = {t: messages(log, t) for t, log in logs.items()}
-    async with (deployment(kafka_settings) as settings, JournalWriter(settings) as journal,
-                OutcomeStream(settings, None, from_beginning=True) as stream):
-        await journal.append_all([e for log in logs.values() for e in log])  # before it starts
-        seen: dict[str, OutcomeChanged] = {}
-        async with publishing(settings) as (publisher, changed):
-            await until_seen(stream, seen, [m for ms in expected.values() for m in ms],
-                             "every message")
-            await until(changed, lambda: idle(publisher), "the publisher sent everything")
+    async with scene(kafka_settings, partition, logs) as s:
+        await s.journal.append_all([e for log in logs.values() for e in log])  # before it starts
+        async with publishing(s.settings) as (publisher, changed):
+            await s.until_told(publisher, changed, s.told(), "every message")
             assert quiet in publisher.follower.dormant  # it did go dormant
-        await each_once(settings, partition, expected)
+        await s.each_once()
