@@ -20,13 +20,14 @@ from aiokafka import TopicPartition
 from halfway import settings as env
 from halfway.contract import Event, Outcome, SettlementSource
 from halfway.contract.topics import JOURNAL
+from halfway.core.fold import fold
 from halfway.journal import JournalWriter, snapshots
 from halfway.projector import store
 from halfway.projector.rebuild import compare, rebuild
 from halfway.projector.rows import TABLES
 from halfway.projector.service import Projector, journal_end_offsets
 from halfway.settings import KafkaSettings
-from tests.factories import Stamper
+from tests.factories import EPOCH, Stamper
 from tests.test_projector import (  # noqa: F401  (the projector tests' fixtures)
     assert_equals_replay,
     histories,
@@ -43,6 +44,7 @@ from tests.test_projector_sealing import (
     LATER,
     Story,
     append,
+    assert_rows,
     held,
     one_partition_ids,
     project_to_end,
@@ -258,3 +260,41 @@ async def test_a_snapshot_ahead_of_the_stored_offset_is_passed_over_for_a_replay
     assert p.restored == {}
     assert p.folded == len(j.head) + len(j.tail)  # from zero
     await assert_rows_of_a_replay_from_zero(journal, pg, schema, late=2)
+
+
+async def test_tasks_dormant_in_the_snapshot_are_restored_unfolded_and_folded_again_on_news(
+        journal: KafkaSettings, pg: asyncpg.Connection, schema: str,  # noqa: F811
+) -> None:
+    """Tasks over for good a minute before the clock are kept (and imaged) as their events'
+    bytes: the restore folds none of them; news of one folds it again, and the tail seals the
+    other straight from its bytes. The rows are a replay from zero's."""
+    number, (quiet, woken, clock) = one_partition_ids("quiet", "woken", "clock")
+    q, w = Stamper(quiet, now=EPOCH), Stamper(woken, now=EPOCH)
+    c = Stamper(clock, now=EPOCH + timedelta(minutes=5))
+
+    def life(s: Stamper) -> list[Event]:
+        return [s.started(), s.intended(1), s.attempted(1, 1),
+                s.settled(1, Outcome.DONE, attempt=1), s.finished()]
+
+    woken_head = life(w)
+    head = [*life(q), *woken_head, c.started()]
+    at = await snapshotted(journal, pg, schema, head, number)
+    tp = TopicPartition(JOURNAL.name(journal.topic_prefix), number)
+    image = (await snapshots.load(journal, f"{journal.topic_prefix}projector", [tp]))[number]
+    assert image.journal_next == at
+    assert {d.task_id for d in image.dormant} == {quiet, woken}
+    assert {e.task_id for _, e in image.events} == {clock}
+
+    w.now = EPOCH + timedelta(minutes=10)
+    news = w.settled(1, Outcome.NOT_DONE, source=SettlementSource.WEBHOOK)  # contradicts
+    c.now = EPOCH + 3 * DAY
+    p = await restart(journal, pg, schema, [news, c.intended(1)], number)
+    assert p.restored == {number: at}
+    assert p.folded == 2
+    part = p._partitions[number]
+    assert sealed(p, quiet)  # from its bytes: never folded here
+    assert not held(p, quiet)
+    assert part.states[woken] == fold([*woken_head, news])  # folded again, news and all
+    assert part.states[woken].needs_attention
+    await assert_rows(pg, schema, woken, [*woken_head, news])
+    await assert_rows_of_a_replay_from_zero(journal, pg, schema, late=0)

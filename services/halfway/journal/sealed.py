@@ -162,6 +162,10 @@ class EndedTasks:
         """`at` is the task's newest end, not yet due."""
         return self._last.get(task_id) == at
 
+    def last_end(self, task_id: str) -> datetime | None:
+        """The task's newest end, if not yet due."""
+        return self._last.get(task_id)
+
     def due(self, now: datetime, after: timedelta) -> list[str]:
         """The tasks whose newest end is `after` before `now`, oldest first, each once: they
         leave the queue (the caller seals those settled for good; another end re-enters one).

@@ -162,9 +162,8 @@ async def _fold_journal(settings: KafkaSettings, progress: Progress | None,
         if sealing is None:
             sealing = seals[delivery.partition] = Sealing(delivery.partition, after)
         _, now_sealed = sealing.fold(states, delivery.event)  # (late news: not folded)
-        for state in now_sealed:
-            del states[state.task_id]
-            sealed.append(state)
+        for task_id in now_sealed:
+            sealed.append(states.pop(task_id))
             sealed_total += 1
             if len(sealed) >= WRITE_TASKS_MAX:
                 await write_sealed(sealed)

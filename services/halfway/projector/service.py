@@ -42,6 +42,11 @@ time past them) and do not move the clock. A re-sync below the offset of a dropp
 event (a lagging rebuild swapped in) cannot write that row again: the partition is replayed from
 zero (after a restore, below the image's offset: what it sealed left no offsets). The records
 kept for the image are those of tasks still folded, dropped with their fold.
+
+With snapshots, a task over for good keeps no fold either once its row is stored and a minute
+has passed by the journal's clock (DORMANT_AFTER_S, as the followers): until it is sealed it is
+kept as its events' compressed JSON (`snaps.Dormant`, a few hundred bytes), imaged as it is, so
+a restore neither decodes nor folds the day's ended tasks; news of one folds it again first.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ import asyncio
 import contextlib
 import signal
 import time
+from collections import deque
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -67,7 +73,7 @@ from halfway.core.fold import TaskState, TaskStatus, apply
 from halfway.journal import snapshots as snaps
 from halfway.journal.admin import cluster_id, ensure_topics_once_up, topic_partitions
 from halfway.journal.deadletters import DeadLetters
-from halfway.journal.follower import RESTORE_BATCH, settled_for_good
+from halfway.journal.follower import DORMANT_AFTER_S, RESTORE_BATCH, settled_for_good
 from halfway.journal.limits import fetch_limits
 from halfway.journal.records import InvalidRecord, decode
 from halfway.journal.sealed import EndedTasks, SealedTasks
@@ -85,6 +91,7 @@ BATCH_EVENTS_MAX = 2000
 # quiet projector is noticed without waiting for the next event.
 VERIFY_INTERVAL_S = 2.0
 _ENDED = (TaskStatus.FINISHED, TaskStatus.REJECTED)
+_DORMANT_AFTER = timedelta(seconds=DORMANT_AFTER_S)
 
 
 class FromEnv:
@@ -111,16 +118,21 @@ class Sealing:
         self.after = after  # None: never seal
         self.sealed = SealedTasks()  # this partition's only: 8 bytes a task
         self.ended = EndedTasks()  # those that ended within `after` of the clock: live work
+        # Tasks over and settled for good, kept as their events' compressed JSON until sealed
+        # (the live projector's `_Partition.quiet_due`; a rebuild keeps none). Not in `states`:
+        # the caller wakes one (folds it again) before folding news of it.
+        self.dormant: dict[str, snaps.Dormant] = {}
 
     def has(self, task_id: str) -> bool:
         return self.sealed.has(self.number, task_id)
 
     def fold(self, states: MutableMapping[str, TaskState], event: Event,
-             ) -> tuple[TaskState | None, list[TaskState]]:
+             ) -> tuple[TaskState | None, list[str]]:
         """Fold `event` into `states`, unless its task is sealed (late news: None). Also the
-        states of the tasks sealed at this record: still in `states` (the caller drops them,
+        tasks sealed at this record: those folded still in `states` (the caller drops them,
         once their rows are stored)."""
         task_id = event.task_id
+        assert task_id not in self.dormant, "a dormant task is woken before its news"
         if self.has(task_id):
             if not isinstance(event, TaskRequested):
                 return None, []  # nor does it move the clock, as in the follower
@@ -132,19 +144,24 @@ class Sealing:
                 self.ended.add(event.at, task_id)
         return after, self._due(event.at, states)
 
-    def _due(self, now: datetime, states: MutableMapping[str, TaskState]) -> list[TaskState]:
+    def _due(self, now: datetime, states: MutableMapping[str, TaskState]) -> list[str]:
         """Seal the tasks due (`EndedTasks.due`, as the follower does) that are settled for
         good."""
         if self.after is None:
             return []
         out = []
         for task_id in self.ended.due(now, self.after):
+            dormant = self.dormant.pop(task_id, None)
+            if dormant is not None:  # no news since it went dormant: settled for good still
+                self.sealed.add(self.number, task_id, TaskStatus(dormant.status))
+                out.append(task_id)
+                continue
             state = states.get(task_id)
             if state is None or not settled_for_good(state):
                 continue  # needs attention, or an effect is open: its next event re-enters it
             assert state.status is not None
             self.sealed.add(self.number, task_id, state.status)
-            out.append(state)
+            out.append(task_id)
         return out
 
 
@@ -166,6 +183,10 @@ class _Partition:
     # Snapshots: the records folded into each task held (those of `states`, in log order), which
     # is what an image holds; dropped with the task's fold.
     history: dict[str, list[tuple[int, Event]]] = field(default_factory=dict)
+    # Tasks that ended (`at`, id), oldest first, until DORMANT_AFTER_S later by the journal's
+    # clock (`quiet_due`); None: no task goes dormant (no snapshots, or no sealing).
+    quieting: deque[tuple[datetime, str]] | None = None
+    quiet_later: dict[str, datetime] = field(default_factory=dict)  # due, row not stored yet
     ready: bool = True  # False while its snapshot is read and restored (`Projector._load`)
     restored_from: int | None = None  # the offset of the image it was restored from
     since_snapshot: int = 0  # records folded since its last snapshot (or its assignment)
@@ -175,7 +196,20 @@ class _Partition:
         """PostgreSQL holds `stored`: every task changed at or after it must be written."""
         self.written_to = stored
         self.dirty = {t for t, offset in self.changed_at.items() if offset >= stored}
+        for task_id in self.dirty & self.seals.dormant.keys():
+            self.wake(task_id)  # and dormant again once its row is stored:
+            at = self.seals.ended.last_end(task_id)
+            if at is not None:
+                self.quiet_later[task_id] = at
         self.drop_sealed(self.sealing - self.dirty)
+        self.quiet_written()  # (those still dirty wait again)
+
+    def stored(self, offset: int) -> None:
+        """PostgreSQL holds the rows of every task changed below `offset` (a flush)."""
+        self.written_to = offset
+        self.dirty.clear()
+        self.drop_sealed(set(self.sealing))
+        self.quiet_written()
 
     def seal(self, task_id: str) -> None:
         """The task is sealed: drop its fold now, or once its row is stored."""
@@ -188,9 +222,50 @@ class _Partition:
         """Forget sealed tasks whose rows are stored."""
         for task_id in task_ids:
             self.sealing.discard(task_id)
-            del self.states[task_id]
+            self.states.pop(task_id, None)  # (a dormant one has none)
             self.history.pop(task_id, None)
+            self.quiet_later.pop(task_id, None)
             self.dropped_to = max(self.dropped_to, self.changed_at.pop(task_id) + 1)
+
+    def quiet_due(self, now: datetime) -> None:
+        """Keep the tasks that ended DORMANT_AFTER_S before `now` (the `at` of the record
+        just folded), settled for good and with no news since, as their events' compressed
+        JSON (`snaps.Dormant`, as the followers do): a few hundred bytes a task instead of its
+        fold, and an image whose restore neither decodes nor folds them. One whose row is not
+        stored yet waits for the flush (`quiet_written`)."""
+        quieting = self.quieting
+        while quieting and quieting[0][0] + _DORMANT_AFTER <= now:
+            at, task_id = quieting.popleft()
+            self._quiet(task_id, at)
+
+    def quiet_written(self) -> None:
+        """Rows are stored (a flush, or a re-sync): the tasks due meanwhile whose rows are
+        stored go dormant now."""
+        later, self.quiet_later = self.quiet_later, {}
+        for task_id, at in later.items():
+            self._quiet(task_id, at)
+
+    def _quiet(self, task_id: str, at: datetime) -> None:
+        if not self.seals.ended.is_last(task_id, at) or task_id not in self.states:
+            return  # news since (a later end decides), sealed, or dormant already
+        if task_id in self.dirty:
+            self.quiet_later[task_id] = at
+            return
+        state, history = self.states[task_id], self.history.get(task_id)
+        if history is None or not settled_for_good(state):
+            return  # needs attention, or an effect is open: its next end re-enters it
+        self.seals.dormant[task_id] = snaps.Dormant.of(task_id, str(state.status), history,
+                                                       None)
+        del self.states[task_id], self.history[task_id]
+
+    def wake(self, task_id: str) -> None:
+        """Fold a dormant task's events again: news of it came, or its row is written again.
+        Its state is the fold of the same records as before it went dormant."""
+        history, _ = self.seals.dormant.pop(task_id).decode()
+        state = TaskState(task_id=task_id)
+        for _, event in history:
+            state = apply(state, event)
+        self.states[task_id], self.history[task_id] = state, history
 
     @property
     def exact_and_stored(self) -> bool:
@@ -291,7 +366,9 @@ class Projector:
         self.snapshots_written: dict[int, int] = {}  # partition -> offset of its last image
 
     def _new_partition(self, number: int) -> _Partition:
-        return _Partition(number, Sealing(number, self.seal_after))
+        quiets = self.snapshots and self.seal_after is not None  # (a Dormant needs a history)
+        return _Partition(number, Sealing(number, self.seal_after),
+                          quieting=deque() if quiets else None)
 
     @property
     def dead_letters(self) -> DeadLetters | None:
@@ -399,6 +476,8 @@ class Projector:
                 if record.offset >= part.written_to:
                     refused.append((record, exc.reason))
                 continue
+            if event.task_id in part.seals.dormant:
+                part.wake(event.task_id)
             after, sealed = part.seals.fold(part.states, event)
             if after is None:
                 self.late += 1
@@ -412,8 +491,12 @@ class Projector:
                     part.history.setdefault(event.task_id, []).append((record.offset, event))
                 if record.offset >= part.written_to:
                     part.dirty.add(event.task_id)
-            for state in sealed:
-                part.seal(state.task_id)
+                if part.quieting is not None:
+                    if after.status in _ENDED:
+                        part.quieting.append((event.at, event.task_id))
+                    part.quiet_due(event.at)
+            for task_id in sealed:
+                part.seal(task_id)
         return refused
 
     async def _adopt(self) -> None:
@@ -481,9 +564,7 @@ class Projector:
             self._resync(exc.stored)
             return
         for part in parts:
-            part.written_to = offsets[(self.topic, part.number)]
-            part.dirty.clear()
-            part.drop_sealed(set(part.sealing))  # their rows are stored now
+            part.stored(offsets[(self.topic, part.number)])
         self.batches += 1
 
     async def _verify(self) -> None:
@@ -565,8 +646,11 @@ class Projector:
             seals.ended.add(at, task_id)
             if i % RESTORE_BATCH == RESTORE_BATCH - 1:
                 await asyncio.sleep(0)
-        states: dict[str, TaskState] = {}
         changed_at: dict[str, int] = {}
+        for dormant in image.dormant:  # not decoded: only if news of it comes
+            seals.dormant[dormant.task_id] = dormant
+            changed_at[dormant.task_id] = dormant.offsets[-1]
+        states: dict[str, TaskState] = {}
         history: dict[str, list[tuple[int, Event]]] = {}
         for i, (offset, event) in enumerate(image.events):
             task_id = event.task_id
@@ -577,6 +661,8 @@ class Projector:
                 await asyncio.sleep(0)
         part.seals, part.states, part.changed_at, part.history = seals, states, changed_at, \
             history
+        if part.quieting is not None:  # those ended within DORMANT_AFTER_S of the image's clock
+            part.quieting.extend((at, t) for at, t in image.ended if t in states)
         # Tasks sealed before the image left no offset: all below it (a re-sync below it
         # replays from zero, as for a task dropped here).
         part.position = part.dropped_to = part.restored_from = image.journal_next
@@ -584,13 +670,14 @@ class Projector:
             part.since_snapshot = snaps.EVERY_RECORDS
 
     def _image(self, part: _Partition) -> snaps.Image:
-        """The image of `part` now (`exact_and_stored`): its open tasks' records, its sealed
-        tasks, its ended tasks waiting to be sealed."""
+        """The image of `part` now (`exact_and_stored`): its folded tasks' records, its
+        dormant and sealed tasks, its ended tasks waiting to be sealed."""
         events = sorted((item for items in part.history.values() for item in items),
                         key=lambda item: item[0])
         return snaps.Image(partition=part.number, journal_next=part.position, side_next=None,
                            events=events, sealed=part.seals.sealed.packed(part.number),
-                           ended=part.seals.ended.entries())
+                           ended=part.seals.ended.entries(),
+                           dormant=list(part.seals.dormant.values()))
 
     def _maybe_snapshot(self) -> None:
         """Start writing one due snapshot (one at a time, in the background), between two
