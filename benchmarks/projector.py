@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/projector.py [--events 20000] [--tasks 2000] [--burst 10000]
         [--restart-events 1000000] [--restart-tail 600] [--only replay|burst|restart]
+        [--keep | --prefix P --schema S]
 
 - Replay speed (events per second, median of 3 runs) of `--events` events across `--tasks`
   tasks: (a) folding the journal from Kafka alone (`halfway.journal.replay`), the baseline;
@@ -19,8 +20,11 @@
   snapshots on (the group's pointers cleared: it keeps its open tasks' events, and snapshots
   again), and from its snapshots. Printed: seconds from process start until PostgreSQL holds
   the journal's end ("caught up", polled every 10 ms), the process's RSS then, and how many
-  partitions were restored from a snapshot.
-Figures only; nothing here passes or fails. Own topic prefixes and schemas, removed after.
+  partitions were restored from a snapshot. `--keep` leaves that journal and read model (the
+  largest sizes take long to fill and to project a first time); `--prefix P --schema S` then
+  times only a restart from their snapshots. Each start's log stays in `.halfway/bench`.
+Figures only; nothing here passes or fails. Own topic prefixes and schemas, removed after
+(unless `--keep`).
 """
 
 from __future__ import annotations
@@ -66,7 +70,14 @@ from halfway.settings import KafkaSettings
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # `benchmarks.recovery`, also when run as a script
-from benchmarks.recovery import EVENTS_PER_TASK, fill, history, logged, rss_mib  # noqa: E402
+from benchmarks.recovery import (  # noqa: E402
+    EVENTS_PER_TASK,
+    LOG_DIR,
+    fill,
+    history,
+    logged,
+    rss_mib,
+)
 
 RUNS = 3
 SAMPLE_INTERVAL_S = 0.1
@@ -341,37 +352,51 @@ async def start_once(settings: KafkaSettings, schema: str, log_path: Path, *,
     return seconds, rss, len(logged(log_path, "partition restored from its snapshot"))
 
 
-async def restart_cost(base: KafkaSettings, events: int, tail: int, schema: str) -> None:
-    settings = prefixed(base, "restart")
+async def restart_cost(base: KafkaSettings, events: int, tail: int, schema: str, *,
+                       prefix: str | None = None, keep: bool = False) -> None:
+    """The four starts on a fresh journal of `events`; with `prefix` (and `schema`) of an
+    earlier `--keep` run, only a restart from its snapshots after a tail. `keep`: leave the
+    topics and the schema for such a run (printed)."""
+    settings = base.with_prefix(prefix) if prefix else prefixed(base, "restart")
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
     await ensure_topics(settings, ALL_TOPICS)
+    # (label, snapshots on, a tail first, its pointers forgotten first, snapshotted)
+    runs = [("first (empty read model)", True, False, False, True),
+            ("restart from zero, snapshots off", False, True, False, False),
+            ("restart from zero, snapshots on", True, True, True, True),
+            ("restart from snapshots", True, True, False, False)]
     conn = await store.connect(env.pg_dsn())
     try:
-        with tempfile.TemporaryDirectory() as tmp:
+        if prefix is None:
             started = time.monotonic()
             await fill(settings, events)
             print(f"restart cost: {events:,} journal events (finished tasks over 30 days) "
                   f"written in {time.monotonic() - started:.1f} s; a tail of {tail:,} "
                   "before each restart")
-            print(f"{'start':<34} {'until caught up':>16} {'RSS':>9} {'restored':>9}")
-            # (label, snapshots on, a tail first, its pointers forgotten first, snapshotted)
-            runs = [("first (empty read model)", True, False, False, True),
-                    ("restart from zero, snapshots off", False, True, False, False),
-                    ("restart from zero, snapshots on", True, True, True, True),
-                    ("restart from snapshots", True, True, False, False)]
-            for i, (label, snapshots, tail_first, forget, snapshotted) in enumerate(runs):
-                if tail_first:
-                    await write_tail(settings, tail, f"tail{i}")
-                if forget:
-                    await forget_snapshots(settings)
-                seconds, rss, restored = await start_once(
-                    settings, schema, Path(tmp) / f"projector-{i}.log", snapshots=snapshots,
-                    keep_until_snapshotted=snapshotted)
-                print(f"{label:<34} {seconds:>14.2f} s {rss:>5.0f} MiB "
-                      f"{restored:>5}/{JOURNAL.partitions}", flush=True)
+        else:  # and its images written again, by this build, for the next such run
+            runs = [(*runs[-1][:-1], True)]
+            print(f"restart cost: the kept journal {prefix} ({events:,} events named); a tail "
+                  f"of {tail:,} first")
+        print(f"{'start':<34} {'until caught up':>16} {'RSS':>9} {'restored':>9}")
+        run = uuid.uuid4().hex[:6]
+        for i, (label, snapshots, tail_first, forget, snapshotted) in enumerate(runs):
+            if tail_first:
+                await write_tail(settings, tail, f"tail{run}{i}")
+            if forget:
+                await forget_snapshots(settings)
+            log_path = LOG_DIR / f"projector-{settings.topic_prefix}{run}-{i}.log"
+            seconds, rss, restored = await start_once(
+                settings, schema, log_path, snapshots=snapshots,
+                keep_until_snapshotted=snapshotted)
+            print(f"{label:<34} {seconds:>14.2f} s {rss:>5.0f} MiB "
+                  f"{restored:>5}/{JOURNAL.partitions}  ({log_path})", flush=True)
     finally:
-        await store.drop_schema(conn, schema)
+        if keep:
+            print(f"kept: --prefix {settings.topic_prefix} --schema {schema}", flush=True)
+        else:
+            await store.drop_schema(conn, schema)
+            await delete_topics(settings, ALL_TOPICS)
         await conn.close()
-        await delete_topics(settings, ALL_TOPICS)
 
 
 async def main() -> None:
@@ -382,6 +407,11 @@ async def main() -> None:
     parser.add_argument("--restart-events", type=int, default=1_000_000)
     parser.add_argument("--restart-tail", type=int, default=600)
     parser.add_argument("--only", choices=("replay", "burst", "restart"))
+    parser.add_argument("--keep", action="store_true",
+                        help="restart: keep the journal and the read model (printed)")
+    parser.add_argument("--prefix", help="restart: a journal kept by --keep (with --schema): "
+                                         "only the restart from its snapshots is timed")
+    parser.add_argument("--schema", help="restart: the read model kept with --prefix")
     args = parser.parse_args()
     base = KafkaSettings.from_env()
     run = uuid.uuid4().hex[:6]
@@ -392,7 +422,9 @@ async def main() -> None:
     if args.only in (None, "burst"):
         await burst_lag(base, args.burst, burst_schema)
     if args.only in (None, "restart"):
-        await restart_cost(base, args.restart_events, args.restart_tail, f"bench_{run}_restart")
+        await restart_cost(base, args.restart_events, args.restart_tail,
+                           args.schema or f"bench_{run}_restart", prefix=args.prefix,
+                           keep=args.keep)
 
 
 async def replay_figures(base: KafkaSettings, events: int, tasks: int, schema: str) -> None:

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/recovery.py [--events 10000,100000,1000000] [--keep]
     .venv/bin/python benchmarks/recovery.py --events 10000000 --prefix recovery-1234abcd.
-    .venv/bin/python benchmarks/recovery.py --service outcomes [--events ...]
+    .venv/bin/python benchmarks/recovery.py --service outcomes [--events ...] [--no-cold]
 
 For each size: a fresh topic prefix gets a synthetic history of finished tasks (valid events:
 requested, started, a step intended, attempted and settled done, finished: 6 per task) spread
@@ -271,10 +271,10 @@ async def restart(settings: KafkaSettings, service: str, label: str, *,
 
 
 async def one(base: KafkaSettings, service: str, events: int, *, prefix: str | None = None,
-              keep: bool = False, first: bool = False) -> dict[str, float]:
+              keep: bool = False, first: bool = False, cold: bool = True) -> dict[str, float]:
     """Fill a fresh prefix (or reuse `prefix`, filled by an earlier `--keep` run: the restart
-    from snapshots only, unless `first`), time the restarts, and delete the topics unless
-    `keep`."""
+    from snapshots only, unless `first`), time the restarts (the outcomes publisher's restart
+    from zero only if `cold`), and delete the topics unless `keep`."""
     settings = base.with_prefix(prefix or f"recovery-{uuid.uuid4().hex[:8]}.")
     r: dict[str, float] = {"cold_s": float("nan"), "cold_rss": float("nan"),
                            "fill_s": float("nan"), "first_s": float("nan"), "revoked": 0}
@@ -289,10 +289,12 @@ async def one(base: KafkaSettings, service: str, events: int, *, prefix: str | N
             # a restart from zero, which writes no snapshot.
             r["first_s"], _, first_log = await restart(
                 settings, service, f"{events}-first", until_snapshots=JOURNAL.partitions)
-            r["cold_s"], r["cold_rss"], cold_log = await restart(
-                settings, service, f"{events}-cold", snapshots=False)
-            r["revoked"] = sum(len(logged(path, "partitions revoked"))
-                               for path in (first_log, cold_log))
+            logs = [first_log]
+            if cold:
+                r["cold_s"], r["cold_rss"], cold_log = await restart(
+                    settings, service, f"{events}-cold", snapshots=False)
+                logs.append(cold_log)
+            r["revoked"] = sum(len(logged(path, "partitions revoked")) for path in logs)
         elif prefix is None or first:
             # Cold: no snapshot (or only unusable ones: replayed), the journal from zero; it
             # snapshots every partition.
@@ -326,6 +328,8 @@ async def main() -> None:
     parser.add_argument("--first", action="store_true",
                         help="with --prefix: a first start that writes the snapshots too "
                              "(a kept history whose snapshots this build cannot read)")
+    parser.add_argument("--no-cold", action="store_true",
+                        help="outcomes: no restart from zero (at 10M it reads for long)")
     parser.add_argument("--service", choices=SERVICES, default="decider",
                         help="the service restarted (default: %(default)s)")
     args = parser.parse_args()
@@ -336,7 +340,7 @@ async def main() -> None:
           f" {'(fill)':>8} {'(first start)':>14}")
     for events in (int(n) for n in args.events.split(",")):
         r = await one(base, args.service, events, prefix=args.prefix, keep=args.keep,
-                      first=args.first)
+                      first=args.first, cold=not args.no_cold)
         print(f"{events:>15,} {r['cold_s']:>17.2f} s {r['cold_rss']:>4.0f} MiB"
               f" {r['warm_s']:>26.2f} s {r['warm_rss']:>4.0f} MiB"
               f" {r['restored']:>5.0f}/{JOURNAL.partitions} {r['revoked']:>8.0f}"
