@@ -10,11 +10,13 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from halfway import settings as env
 from halfway.contract import FinalState
+from halfway.projector import store
 
 pytest.register_assert_rewrite("tests.processes")
 
-from tests.processes import Cluster, renewal_request  # noqa: E402
+from tests.processes import Cluster, renewal_request, stop  # noqa: E402
 
 pytest_plugins = ["tests.processes"]
 pytestmark = pytest.mark.broker
@@ -51,9 +53,12 @@ def total(samples: dict, name: str, **labels: str) -> float:
 
 
 async def test_each_service_serves_its_metrics(core: Cluster) -> None:
-    ports = {name: free_port() for name in ("decider", "executor", "reconciler")}
+    ports = {name: free_port()
+             for name in ("decider", "executor", "reconciler", "outcomes", "projector")}
+    schema = f"metrics_{uuid.uuid4().hex[:8]}"  # the projector's read model, dropped after
     procs = {name: await core.start(name, "--metrics-port", str(port),
-                                    HALFWAY_SNAPSHOT_EVERY_S="0")  # one after each batch
+                                    HALFWAY_SNAPSHOT_EVERY_S="0",  # one after each batch
+                                    HALFWAY_PG_SCHEMA=schema)
              for name, port in ports.items()}
     task_id = f"metrics-{uuid.uuid4().hex[:8]}"
     await core.publish(renewal_request(task_id, reask=False))
@@ -88,3 +93,34 @@ async def test_each_service_serves_its_metrics(core: Cluster) -> None:
 
     reconciler = await scrape(ports["reconciler"])
     assert total(reconciler, "halfway_tasks_in_memory") >= 1
+
+    outcomes = await scrape(ports["outcomes"])
+    group = f"{core.settings.topic_prefix}outcomes"
+    assert total(outcomes, "halfway_events_applied_total", group=group) >= 5
+    assert total(outcomes, "halfway_tasks_in_memory", group=group) >= 1
+
+    # The projector: records folded, rows not stored yet (0 once caught up), its tasks.
+    group = f"{core.settings.topic_prefix}projector"
+    try:
+        async with asyncio.timeout(WAIT_S):
+            while True:
+                projector = await scrape(ports["projector"])
+                lags = [v for labels, v in projector.get("halfway_consumer_lag", [])
+                        if labels["group"] == group]
+                if (total(projector, "halfway_events_applied_total", group=group) >= 5
+                        and lags and not any(lags)):
+                    break
+                await asyncio.sleep(0.1)  # polled: a scrape has no notification
+        assert total(projector, "halfway_tasks_in_memory", group=group) >= 1
+        assert total(projector, "halfway_steps_by_status", group=group, status="done") >= 1
+        await procs["projector"].until_logged("snapshot written")
+        (age,) = [v for labels, v in (await scrape(ports["projector"]))[
+            "halfway_snapshot_age_seconds"] if labels["group"] == group]
+        assert age >= 0
+    finally:
+        await stop(procs["projector"])  # before its schema goes
+        conn = await store.connect(env.pg_dsn())
+        try:
+            await store.drop_schema(conn, schema)
+        finally:
+            await conn.close()

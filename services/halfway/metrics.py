@@ -5,7 +5,8 @@ free port, which the service logs ("metrics listening"). Unset: nothing is serve
 services on one machine would otherwise fight over one default port).
 
 What an operator reads here, per consumer group (`group` label: one per service kind and
-deployment):
+deployment; the projector's too, where the lag counts records whose rows PostgreSQL does not
+hold yet and the tasks in memory count its folded and dormant ones):
 - `halfway_events_applied_total{group,topic}`: records folded (a restart's replay counts too:
   its slope is the catch-up speed);
 - `halfway_consumer_lag{group,topic,partition}`: records between the group's position and the
@@ -55,7 +56,8 @@ class _FollowersCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         # A follower here has `group`, `states`, `partition_lags()` and its counts
-        # (JournalFollower). Counts of followers of one group (a test's) add up.
+        # (JournalFollower, or the projector). Counts of followers of one group (a test's)
+        # add up.
         lag = GaugeMetricFamily("halfway_consumer_lag", "Records behind the partition's end",
                                 labels=["group", "topic", "partition"])
         caught_up = GaugeMetricFamily("halfway_partition_caught_up",
@@ -81,7 +83,7 @@ class _FollowersCollector(Collector):
             group = follower.group
             for topic, n in list(follower.applied_by_topic.items()):
                 applied_total[group, topic] += n
-            for (outcome, source), n in list(follower.settled_by.items()):
+            for (outcome, source), n in list(getattr(follower, "settled_by", {}).items()):
                 settled_total[group, outcome, source] += n
             for topic, partition, behind, done in follower.partition_lags():
                 lag.add_metric([group, topic, str(partition)], behind)

@@ -65,7 +65,7 @@ from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import IllegalStateError
 from aiokafka.structs import ConsumerRecord
 
-from halfway import log
+from halfway import log, metrics
 from halfway import settings as env
 from halfway.contract import Event, TaskRequested
 from halfway.contract.topics import DEAD_LETTERS, JOURNAL
@@ -364,6 +364,8 @@ class Projector:
         self.folded = 0  # records folded (valid or not), replays included
         self.restored: dict[int, int] = {}  # partition -> offset of the image restored, used
         self.snapshots_written: dict[int, int] = {}  # partition -> offset of its last image
+        self.snapshot_written_s: float | None = None  # monotonic, the last one written
+        metrics.watch(self)
 
     def _new_partition(self, number: int) -> _Partition:
         quiets = self.snapshots and self.seal_after is not None  # (a Dormant needs a history)
@@ -379,6 +381,34 @@ class Projector:
     def partitions(self) -> frozenset[int]:
         """The journal partitions this instance projects now (assigned, offsets read)."""
         return frozenset(n for n, p in self._partitions.items() if p.written_to is not None)
+
+    # -- what /metrics reads (`halfway.metrics`: the followers' gauges) -------------------
+
+    @property
+    def applied_by_topic(self) -> dict[str, int]:
+        return {self.topic: self.folded}
+
+    @property
+    def states(self) -> dict[str, TaskState]:
+        """The folded tasks of every partition (built at each scrape)."""
+        return {t: state for part in list(self._partitions.values())
+                for t, state in part.states.items()}
+
+    @property
+    def dormant(self) -> list[str]:
+        return [t for part in list(self._partitions.values()) for t in part.seals.dormant]
+
+    def partition_lags(self) -> list[tuple[str, int, int, bool]]:
+        """(topic, partition, records not stored in PostgreSQL yet, stored up to the end of
+        the last fetch) of each partition adopted."""
+        out = []
+        for number, part in list(self._partitions.items()):
+            if part.written_to is None or self._consumer is None:
+                continue
+            end = self._consumer.highwater(TopicPartition(self.topic, number))
+            behind = max(0, (part.position if end is None else end) - part.written_to)
+            out.append((self.topic, number, behind, behind == 0))
+        return out
 
     def _kafka(self) -> AIOKafkaConsumer:
         assert self._consumer is not None
@@ -708,6 +738,7 @@ class Projector:
         assert self._out is not None
         if await snaps.write_and_point(self._out, self.group, image, commit, self._log):
             self.snapshots_written[part.number] = image.journal_next
+            self.snapshot_written_s = time.monotonic()
 
     async def _stop_background(self) -> None:
         for task in [*self._loaders, self._snapshotting]:
