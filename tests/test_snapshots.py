@@ -231,6 +231,18 @@ async def test_an_image_of_the_format_before_is_read_the_same_and_rewritten_soon
         snapshots.decode(format_4(image, version=3))
 
 
+async def test_the_seal_window_goes_with_the_image() -> None:
+    f = follower()
+    feed(f, task_records("running", "r", BASE), {JOURNAL_TP: 0, SIDE_TP: 0})
+    image = f.image(0)
+    assert image is not None
+    assert image.seal_after_s == DAY.total_seconds()
+    assert snapshots.decode(snapshots.encode(image)).seal_after_s == DAY.total_seconds()
+    image.seal_after_s = snapshots.seal_window(None)  # never seal
+    assert snapshots.decode(snapshots.encode(image)).seal_after_s == float("inf")
+    assert snapshots.decode(format_4(image)).seal_after_s is None  # not recorded: any window
+
+
 def test_an_unreadable_pointer_is_refused() -> None:
     with pytest.raises(snapshots.UnusableSnapshot):
         snapshots.Pointer.parse('{"v": 99}')
@@ -279,6 +291,15 @@ async def test_a_snapshot_round_trips_through_the_broker_and_a_tampered_one_is_r
     history, request = dormant.decode()
     assert history == f._history["new-1"]
     assert request == f.requests["new-1"]
+
+    # An image folded with another seal window than the restart's: refused (its sealed tasks
+    # would not be a replay's); the same window, or none named: used.
+    assert images[0].seal_after_s == DAY.total_seconds()
+    for window, used in ((snapshots.seal_window(DAY), True), (None, True),
+                         (snapshots.seal_window(2 * DAY), False),
+                         (snapshots.seal_window(None), False)):
+        loaded = await snapshots.load(topics, group, [tp], seal_after_s=window)
+        assert (0 in loaded) is used, window
 
     # A pointer whose digest does not match what the chunks hold: refused, nothing restored.
     forged = snapshots.Pointer(pointer.snapshot_id, pointer.topic_partition,
@@ -392,9 +413,12 @@ def loading_follower(monkeypatch: pytest.MonkeyPatch) -> tuple[JournalFollower, 
     reads: asyncio.Queue[Any] = asyncio.Queue()
 
     async def load_each(settings: Any, group: str, tps: list[TopicPartition],
-                        wanted: bool) -> Any:
+                        wanted: bool, seal_after_s: float | None) -> Any:
         for _ in tps:
-            yield await reads.get()
+            item = await reads.get()
+            if isinstance(item, Exception):
+                raise item
+            yield item
 
     monkeypatch.setattr(snapshots, "load_each", load_each)
     return f, kafka, reads
@@ -434,6 +458,19 @@ async def test_each_partition_is_served_as_soon_as_its_image_is_restored(
                                                                  image.side_next)
     assert f.owns("live-1")
     assert f.states["live-1"].status == "running"
+    assert f.restored == {0: image.journal_next}
+
+
+async def test_snapshot_reads_that_fail_as_a_whole_leave_no_partition_paused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    f, kafka, reads = loading_follower(monkeypatch)
+    await f._adopt([JOURNAL_TP, SIDE_TP, JOURNAL_1, SIDE_1])
+    image = an_image()
+    await reads.put((0, image))
+    await reads.put(RuntimeError("the snapshot reads broke"))
+    await settle(f)
+    assert kafka.paused == set()
+    assert (kafka.sought[JOURNAL_1], kafka.sought[SIDE_1]) == (0, 0)  # from zero
     assert f.restored == {0: image.journal_next}
 
 

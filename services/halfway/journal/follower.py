@@ -960,10 +960,19 @@ class JournalFollower:
         """Restore each partition from its image as it is read (or, without a usable one,
         read it from zero), then resume it; each partition's own work (the service's hook, the
         restore) goes on beside the others', one task per partition just assigned."""
+        pending = {tp.partition for tp in journal}
         async with asyncio.TaskGroup() as group:
-            async for number, image in snaps.load_each(self._settings, self.group, journal,
-                                                       wanted=self.snapshots):
-                group.create_task(self._load_one(number, image))
+            try:
+                async for number, image in snaps.load_each(
+                        self._settings, self.group, journal, wanted=self.snapshots,
+                        seal_after_s=snaps.seal_window(self._seal_after)):
+                    pending.discard(number)
+                    group.create_task(self._load_one(number, image))
+            except Exception:  # the reads failed as a whole: never leave a partition paused
+                self._log.exception("snapshots not read; partitions read from zero",
+                                    partitions=sorted(pending))
+                for number in sorted(pending):
+                    group.create_task(self._load_one(number, None))
 
     async def _load_one(self, number: int, image: snaps.Image | None) -> None:
         """One partition's load. A partition revoked meanwhile is dropped; one whose load
@@ -1089,7 +1098,7 @@ class JournalFollower:
                            dormant=dormant,
                            quiet=[(t, str(status[t]), self._history[t], self.requests.get(t))
                                   for t in quiet],
-                           service=service)
+                           service=service, seal_after_s=snaps.seal_window(self._seal_after))
 
     def _maybe_snapshot(self) -> None:
         """Start writing one due snapshot (one at a time, in the background)."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import os
 import struct
 import sys
@@ -181,6 +182,17 @@ class Image:
     # What the service keeps with the image (JSON; the follower's `OnImage`): the outcomes
     # publisher's knowledge of its own topic.
     service: dict[str, Any] | None = None
+    # The seal window it was folded with (`seal_window`: inf, never); None: not recorded (an
+    # image of an older build). A restart with another window replays instead (`load_each`):
+    # the sealed tasks would differ from a replay's.
+    seal_after_s: float | None = None
+
+
+def seal_window(after: timedelta | float | None) -> float:
+    """The seal window as an image records it: seconds, inf for never."""
+    if after is None:
+        return math.inf
+    return after.total_seconds() if isinstance(after, timedelta) else float(after)
 
 
 class UnusableSnapshot(Exception):
@@ -198,6 +210,9 @@ def encode(image: Image) -> bytes:
         "dormant": len(dormant), "ended": len(image.ended)}
     if image.service is not None:
         header["service"] = image.service
+    if image.seal_after_s is not None:
+        header["seal_after_s"] = "never" if math.isinf(image.seal_after_s) else \
+            image.seal_after_s
     firsts = [pair for d in dormant for pair in d.first_attempts]
     columns = [
         _ids(d.task_id for d in dormant),
@@ -302,11 +317,22 @@ def decode(blob: bytes) -> Image:
             side_next=None if header["side_next"] is None else int(header["side_next"]),
             events=list(zip(offsets, events, strict=True)),
             requests=_REQUESTS.validate_json(parts[2]), sealed=sealed, ended=ended,
-            dormant=dormant, format=int(version), service=_service(header.get("service")))
+            dormant=dormant, format=int(version), service=_service(header.get("service")),
+            seal_after_s=_window(header.get("seal_after_s")))
     except UnusableSnapshot:
         raise
     except Exception as exc:  # zlib, struct, JSON or validation: a corrupt image
         raise UnusableSnapshot(f"corrupt image: {type(exc).__name__}: {str(exc)[:300]}") from exc
+
+
+def _window(value: Any) -> float | None:
+    if value is None:
+        return None
+    if value == "never":
+        return math.inf
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise UnusableSnapshot("its seal window is not a number")
+    return float(value)
 
 
 def _service(value: Any) -> dict[str, Any] | None:
@@ -518,10 +544,12 @@ async def _snapshotted(settings: KafkaSettings, group: str, tps: list[TopicParti
 
 
 async def load_each(settings: KafkaSettings, group: str, tps: list[TopicPartition], *,
-                    wanted: bool = True) -> AsyncIterator[tuple[int, Image | None]]:
+                    wanted: bool = True, seal_after_s: float | None = None,
+                    ) -> AsyncIterator[tuple[int, Image | None]]:
     """(partition, its usable image or None) for each journal partition in `tps`, in the
     order they are read (those without a snapshot first): a follower serves each one as soon
-    as it is restored. None: replay that partition from zero (every one, unless `wanted`)."""
+    as it is restored. None: replay that partition from zero (every one, unless `wanted`; one
+    folded with another seal window than `seal_after_s`, `seal_window`'s, when given)."""
     logger = log.get("halfway.snapshots", group=group)
     committed = await _snapshotted(settings, group, tps) if wanted else {}
 
@@ -539,6 +567,10 @@ async def load_each(settings: KafkaSettings, group: str, tps: list[TopicPartitio
                     decode, await read(settings, group, tp.partition, pointer))
             if image.partition != tp.partition or image.journal_next != offset:
                 raise UnusableSnapshot("it describes another partition or offset")
+            if None not in (seal_after_s, image.seal_after_s) and \
+                    image.seal_after_s != seal_after_s:
+                raise UnusableSnapshot(f"folded with a seal window of {image.seal_after_s} s, "
+                                       f"now {seal_after_s} s (HALFWAY_SEAL_AFTER_S)")
         except UnusableSnapshot as exc:
             logger.warning("snapshot not used; the partition is replayed from zero",
                            partition=tp.partition, reason=str(exc))
@@ -562,8 +594,8 @@ async def load_each(settings: KafkaSettings, group: str, tps: list[TopicPartitio
             read_.cancel()  # the caller stopped early (revoked, or stopping)
 
 
-async def load(settings: KafkaSettings, group: str,
-               tps: list[TopicPartition]) -> dict[int, Image]:
+async def load(settings: KafkaSettings, group: str, tps: list[TopicPartition], *,
+               seal_after_s: float | None = None) -> dict[int, Image]:
     """The usable image of each journal partition in `tps`; the others replay from zero."""
-    return {number: image async for number, image in load_each(settings, group, tps)
-            if image is not None}
+    return {number: image async for number, image in load_each(
+        settings, group, tps, seal_after_s=seal_after_s) if image is not None}

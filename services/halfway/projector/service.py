@@ -653,7 +653,9 @@ class Projector:
         waiting = {p.number: p for p in parts}
         try:
             tps = [TopicPartition(self.topic, n) for n in waiting]
-            async for number, image in snaps.load_each(self.settings, self.group, tps):
+            async for number, image in snaps.load_each(
+                    self.settings, self.group, tps,
+                    seal_after_s=snaps.seal_window(self.seal_after)):
                 part = waiting.pop(number)
                 if image is not None and self._partitions.get(number) is part:
                     try:
@@ -707,7 +709,8 @@ class Projector:
         return snaps.Image(partition=part.number, journal_next=part.position, side_next=None,
                            events=events, sealed=part.seals.sealed.packed(part.number),
                            ended=part.seals.ended.entries(),
-                           dormant=list(part.seals.dormant.values()))
+                           dormant=list(part.seals.dormant.values()),
+                           seal_after_s=snaps.seal_window(self.seal_after))
 
     def _maybe_snapshot(self) -> None:
         """Start writing one due snapshot (one at a time, in the background), between two
