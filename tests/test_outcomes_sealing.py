@@ -23,11 +23,14 @@ import pytest
 from halfway.client import OutcomeStream
 from halfway.contract import Event, FinalState, Outcome
 from halfway.contract.outcomes import OutcomeChanged
-from halfway.contract.topics import ALL_TOPICS, OUTCOMES
+from halfway.contract.topics import ALL_TOPICS, JOURNAL, OUTCOMES
 from halfway.journal import JournalWriter, ensure_topics
 from halfway.journal.admin import delete_topics
+from halfway.journal.reader import FETCH_RECORDS_MAX
 from halfway.journal.replay import partition_of
 from halfway.outcomes import OutcomesPublisher, messages, read_outcomes
+from halfway.outcomes import service as outcomes_service
+from halfway.outcomes.service import _Task
 from halfway.settings import KafkaSettings
 from tests.factories import Stamper
 
@@ -312,3 +315,80 @@ async def test_a_live_task_numbering_goes_on_across_the_restart(restart: Restart
     assert [(m.about, m.seq, m.state) for m in restart.new_for_live] == [
         (f"{live}:1", 3, "done"), ("task", 2, "succeeded")]
     assert restart.held[live] == ["follower.states", "_tasks"]  # live: kept, and only that
+
+
+# --- a replay that seals faster than it sends waits for the sends --------------------------------
+
+
+async def test_a_replay_waits_while_too_many_sealed_tasks_owe_messages(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_hold_while_owing`: at once under OWED_MAX owed; else until half are sent, or, if none
+    goes, OWED_WAIT_S (the consumer must still poll)."""
+    monkeypatch.setattr(outcomes_service, "OWED_MAX", 4)
+    monkeypatch.setattr(outcomes_service, "OWED_WAIT_S", 0.05)
+    publisher = OutcomesPublisher(KafkaSettings("127.0.0.1:1", "hold.", 1), None)  # type: ignore[arg-type]
+    try:
+        await publisher._hold_while_owing()  # nothing owed
+        for n in range(4):
+            publisher._owed[f"t{n}"] = _Task(0, sealed=True)
+        hold = asyncio.create_task(publisher._hold_while_owing())
+        await asyncio.sleep(0)
+        publisher._unowe("t0")
+        await asyncio.sleep(0)
+        assert not hold.done()  # 3 owed: more than half
+        publisher._unowe("t1")
+        await asyncio.wait_for(hold, WAIT_S)  # 2: half
+
+        publisher._owed.update({f"u{n}": _Task(0, sealed=True) for n in range(4)})
+        await asyncio.wait_for(publisher._hold_while_owing(), WAIT_S)  # none sent: times out
+    finally:
+        await publisher.follower._consumer.stop()  # never started: closed
+
+
+async def test_a_replay_that_seals_faster_than_it_sends_holds_its_fold_and_loses_nothing(
+        kafka_settings: KafkaSettings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first start over a history each of whose tasks is sealed by the next one's records:
+    past OWED_MAX owing, the fold waits for the sends (here held back until the fold waits)
+    before reading on. Then every message is on the topic, once."""
+    monkeypatch.setenv("HALFWAY_SEAL_AFTER_S", str(DAY.total_seconds()))
+    monkeypatch.setattr(outcomes_service, "OWED_MAX", 4)
+    tasks = FETCH_RECORDS_MAX // 5 + 40  # more records than one fetch
+    partition, ids = one_partition([f"t{n}" for n in range(tasks)], kafka_settings.partitions)
+    logs = {ids[f"t{n}"]: done_task(ids[f"t{n}"], T0 + n * (DAY + HOUR)) for n in range(tasks)}
+    async with deployment(kafka_settings) as settings, JournalWriter(settings) as journal:
+        await journal.append_all([e for log in logs.values() for e in log])
+        async with JournalWriter(settings) as writer:
+            gate, held_at = asyncio.Event(), asyncio.Future[int]()
+            original_append = writer.append_raw
+
+            async def append_raw(spec: Any, value: bytes | None, **kw: Any) -> Any:
+                if spec is OUTCOMES:
+                    await gate.wait()
+                return await original_append(spec, value, **kw)
+
+            writer.append_raw = append_raw  # type: ignore[method-assign]
+            publisher = OutcomesPublisher(settings, writer)
+            original_hold = publisher._hold_while_owing
+
+            async def hold() -> None:
+                if len(publisher._owed) >= outcomes_service.OWED_MAX and not held_at.done():
+                    held_at.set_result(publisher.follower.applied_by_topic[journal_topic])
+                    gate.set()
+                await original_hold()
+
+            journal_topic = JOURNAL.name(settings.topic_prefix)
+            publisher.follower._hold = hold
+            running = asyncio.create_task(publisher.run())
+            try:
+                folded = await asyncio.wait_for(held_at, WAIT_S)
+                assert folded < tasks * 5  # held before the end of the history
+                async with OutcomeStream(settings, None, from_beginning=True) as stream:
+                    await until_seen(stream, {}, [m for t, log in logs.items()
+                                                  for m in messages(log, t)], "every message")
+            finally:
+                running.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await running
+        topic = await on_topic(settings, partition)
+        for task_id, log in logs.items():
+            assert topic.get(task_id) == messages(log, task_id), task_id

@@ -92,6 +92,9 @@ OnRestore = Callable[[int, int, dict[str, Any] | None], Awaitable[set[str]]]
 OnImage = Callable[[int], dict[str, Any] | None]
 # ...and a task sealed (journal partition number, task id), once it reads as sealed.
 OnSeal = Callable[[int, str], None]
+# Awaited before each fetch: a service with too much to send of what was folded holds the fold
+# back until it has sent some (bounded by the service: the consumer must still poll).
+Hold = Callable[[], Awaitable[None]]
 SNAPSHOTS_ENV = snaps.ENABLED_ENV
 RESTORE_BATCH = 2000  # items restored from an image between two yields to the loop
 # Every this many records folded, the process's objects are collected once and then frozen
@@ -225,7 +228,7 @@ class JournalFollower:
                  wake_on_catch_up: Callable[[str], bool] | None = None,
                  gather_ms: int = 0, side_at_once: bool = False,
                  on_seal: OnSeal | None = None, on_restore: OnRestore | None = None,
-                 on_image: OnImage | None = None) -> None:
+                 on_image: OnImage | None = None, hold: Hold | None = None) -> None:
         assert side in (None, TASKS, WEBHOOKS), "side topics must be keyed by task id"
         topics: tuple[TopicSpec, ...] = (JOURNAL,) if side is None else (JOURNAL, side)
         self.group = group
@@ -245,6 +248,7 @@ class JournalFollower:
         self._on_seal = on_seal
         self._on_restore = on_restore
         self._on_image = on_image
+        self._hold = hold
         self._log = log.get("halfway.follower", group=group)
         self.sealed = SealedTasks()  # task id -> how it ended; only that is kept
         # Restored from a snapshot over and settled for good, not decoded (yet): see `_wake`.
@@ -317,6 +321,8 @@ class JournalFollower:
                 # buffer returns without suspending, and a long replay that never suspends
                 # starves the consumer's heartbeat (the group then takes the partitions away
                 # and the replay starts over). A batch that waited has yielded already.
+                if self._hold is not None:
+                    await self._hold()
                 if not self._consumer.waited:
                     await asyncio.sleep(0)
                 adoptions = self._adoptions

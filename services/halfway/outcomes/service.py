@@ -33,7 +33,9 @@ read of it), but only once every message of it is on the topic. A task may be se
 batch that observed its last changes (a replay, or a journal clock that jumps): the follower
 reports a sealed task no more, so what it still owes is sent from here (`_send_owed`). A replay
 seals a task at the same record as the live fold did (the journal's clock), after numbering the
-same changes, so its messages on the topic are recognised and none is sent again.
+same changes, so its messages on the topic are recognised and none is sent again. A replay into
+an empty or lagging topic seals tasks faster than their messages go out: past OWED_MAX sealed
+tasks owing messages, the fold waits for the sends before its next fetch (`_hold_while_owing`).
 
 Memory while an assignment is loaded: from the read of the outcomes partitions until the replay
 reaches the journal's end taken after that read, the highest seq per subject of every task with
@@ -55,6 +57,7 @@ change is unchanged: a release that changes it should publish to a fresh outcome
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
 from collections import Counter
@@ -85,10 +88,16 @@ FETCH_TIMEOUT_MS = 500
 READ_FETCH_WAIT_MS = 20
 IDLE_TIMEOUT_S = 30.0  # no progress for this long while behind the end: the broker is gone
 LOGGED_REASON_CHARS_MAX = 500
-# Sealed tasks whose owed messages are sent at once (a replay may seal many that owe some).
-OWED_AT_ONCE_MAX = 64
+# Sealed tasks whose owed messages are sent at once (a replay may seal many that owe some):
+# many sends in flight make the producer's batches large.
+OWED_AT_ONCE_MAX = 512
 # After a failure to send a sealed task's messages, they are tried again this much later.
 OWED_RETRY_S = 1.0
+# Sealed tasks owing messages past which the fold waits for sends (a replay into an empty or
+# lagging topic seals the history faster than its messages go out: 1.7M tasks, 8 GiB, at 10M
+# events), until half are sent or OWED_WAIT_S passed (the consumer must still poll).
+OWED_MAX = 4096
+OWED_WAIT_S = 10.0
 # One wait for a replay to reach the end an assignment's read was checked against; the wait
 # goes on while the partition (and what was read of it) is still ours.
 REPLAY_WAIT_S = 60.0
@@ -122,7 +131,8 @@ class OutcomesPublisher:
                                         on_restore=self._restoring, on_image=self._image,
                                         on_revoke=self._forget, on_seal=self._sealed,
                                         seal_after_s=env.seal_after_s(), snapshots=True,
-                                        wake_on_catch_up=self._owes)
+                                        wake_on_catch_up=self._owes,
+                                        hold=self._hold_while_owing)
         self._tasks: dict[str, _Task] = {}
         # Highest seq on the outcomes topic when the partition was assigned, for what the
         # replay has not numbered yet: partition -> task -> about -> seq, for the partitions we
@@ -141,6 +151,7 @@ class OutcomesPublisher:
         # Sealed tasks with messages not on the topic yet: the follower reports them no more.
         self._owed: dict[str, _Task] = {}
         self._owed_due = asyncio.Event()
+        self._owed_room = asyncio.Event()  # set once the owed are down to half OWED_MAX
         self._background: set[asyncio.Task[None]] = set()
         self.published = 0  # messages this instance wrote (duplicates included)
         self._log = log.get("halfway.outcomes")
@@ -155,6 +166,23 @@ class OutcomesPublisher:
             await self.follower.stop()
 
     # -- called by the follower ------------------------------------------------------------
+
+    async def _hold_while_owing(self) -> None:
+        """Before each fetch: past OWED_MAX sealed tasks owing messages, wait until half of
+        them are sent (or OWED_WAIT_S): what a replay holds stays bounded whatever the
+        history's length."""
+        if len(self._owed) < OWED_MAX:
+            return
+        self._owed_room.clear()
+        self._log.info("replay held while sealed tasks' messages are sent", owed=len(self._owed))
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(OWED_WAIT_S):
+                await self._owed_room.wait()
+
+    def _unowe(self, task_id: str) -> None:
+        self._owed.pop(task_id, None)
+        if len(self._owed) <= OWED_MAX // 2:
+            self._owed_room.set()
 
     def _owes(self, task_id: str) -> bool:
         """A task the follower made dormant while its partition caught up (over for a minute
@@ -309,7 +337,7 @@ class OutcomesPublisher:
     def _forget(self, partitions: set[int]) -> None:
         for task_id in [t for t, task in self._tasks.items() if task.partition in partitions]:
             del self._tasks[task_id]
-            self._owed.pop(task_id, None)  # the new owner's replay sends what is owed
+            self._unowe(task_id)  # the new owner's replay sends what is owed
         for p in partitions:
             for held in (self._published, self._restored_at, self._unsent, self._topic_next):
                 held.pop(p, None)
@@ -327,16 +355,20 @@ class OutcomesPublisher:
     async def _send_owed(self) -> None:
         """Send what sealed tasks still owe (the follower reports them no more); what fails is
         tried again OWED_RETRY_S later."""
+        at_once = asyncio.Semaphore(OWED_AT_ONCE_MAX)
+
+        async def send(task_id: str, task: _Task) -> None:
+            async with at_once:
+                await self._publish(task_id, task)
+
         while True:
             await self._owed_due.wait()
             self._owed_due.clear()
             owed = [(t, task) for t, task in self._owed.items() if not task.sending]
-            errors: list[BaseException] = []
-            for start in range(0, len(owed), OWED_AT_ONCE_MAX):
-                results = await asyncio.gather(
-                    *(self._publish(t, task) for t, task in owed[start:start + OWED_AT_ONCE_MAX]),
-                    return_exceptions=True)
-                errors += [r for r in results if isinstance(r, BaseException)]
+            # One coroutine per task owed: at most OWED_MAX and a batch's (`_hold_while_owing`).
+            results = await asyncio.gather(*(send(t, task) for t, task in owed),
+                                           return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
             if errors:
                 self._log.warning("sealed tasks' outcomes not sent; tried again later",
                                   tasks=len(errors),
@@ -370,7 +402,7 @@ class OutcomesPublisher:
                     if self._tasks.get(task_id) is task:
                         del self._tasks[task_id]
                     if self._owed.get(task_id) is task:
-                        del self._owed[task_id]
+                        self._unowe(task_id)
                 elif self._owed.get(task_id) is task:
                     self._owed_due.set()  # not sent: tried again by `_send_owed`
 
