@@ -317,12 +317,12 @@ class JournalFollower:
         """Fold and report changes until cancelled."""
         try:
             while True:
+                if self._hold is not None:  # the service has too much to send: it waits
+                    await self._hold()
                 # Yield to the loop once per batch: a fetch served from aiokafka's prefetched
                 # buffer returns without suspending, and a long replay that never suspends
                 # starves the consumer's heartbeat (the group then takes the partitions away
                 # and the replay starts over). A batch that waited has yielded already.
-                if self._hold is not None:
-                    await self._hold()
                 if not self._consumer.waited:
                     await asyncio.sleep(0)
                 adoptions = self._adoptions

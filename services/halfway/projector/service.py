@@ -388,15 +388,19 @@ class Projector:
     def applied_by_topic(self) -> dict[str, int]:
         return {self.topic: self.folded}
 
+    # A scrape runs in the metrics server's thread: each map is copied in one call (`list`).
+
     @property
     def states(self) -> dict[str, TaskState]:
         """The folded tasks of every partition (built at each scrape)."""
-        return {t: state for part in list(self._partitions.values())
-                for t, state in part.states.items()}
+        out: dict[str, TaskState] = {}
+        for part in list(self._partitions.values()):
+            out.update(list(part.states.items()))
+        return out
 
     @property
     def dormant(self) -> list[str]:
-        return [t for part in list(self._partitions.values()) for t in part.seals.dormant]
+        return [t for part in list(self._partitions.values()) for t in list(part.seals.dormant)]
 
     def partition_lags(self) -> list[tuple[str, int, int, bool]]:
         """(topic, partition, records not stored in PostgreSQL yet, stored up to the end of
