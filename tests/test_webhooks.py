@@ -27,6 +27,7 @@ from aiokafka.errors import KafkaTimeoutError, MessageSizeTooLargeError
 from aiokafka.structs import ConsumerRecord, RecordMetadata
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import REGISTRY
 
 from halfway.contract.topics import JOURNAL, WEBHOOKS, TopicSpec
 from halfway.contract.webhooks import WebhookReceived, parse_webhook
@@ -461,11 +462,14 @@ async def test_only_a_broker_failure_is_503(offline: Offline, error: BaseExcepti
 async def test_past_the_requests_at_once_a_webhook_is_503_with_retry_after_and_not_kept(
         offline: Offline, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gateway_app, "REQUESTS_AT_ONCE_MAX", 2)
+    answered_before = {status: answered("paysim", status) for status in ("200", "503")}
+    serving_before = sample("halfway_webhooks_serving")
     offline.writer.hold = asyncio.Event()
     held = [asyncio.create_task(post_signed(offline.client, charge_event(None)))
             for _ in range(2)]
     for _ in held:  # both are being published, waiting on the broker
         await asyncio.wait_for(offline.writer.entered.get(), HTTP_TIMEOUT_S)
+    assert sample("halfway_webhooks_serving") == serving_before + 2
 
     busy = charge_event(None)
     response = await post_signed(offline.client, busy)
@@ -480,6 +484,30 @@ async def test_past_the_requests_at_once_a_webhook_is_503_with_retry_after_and_n
     assert again.status_code == 200, again.text
     assert again.json()["duplicate"] is False
     assert len(offline.writer.records) == 3
+    # /metrics counts each answer, and the requests served at once.
+    assert answered("paysim", "503") == answered_before["503"] + 1
+    assert answered("paysim", "200") == answered_before["200"] + 3
+    assert sample("halfway_webhooks_serving") == serving_before
+
+
+def sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def answered(provider: str, status: str) -> float:
+    return sample("halfway_webhooks_answered_total", provider=provider, status=status)
+
+
+async def test_a_webhook_for_a_provider_not_served_is_counted_as_unknown(
+        offline: Offline) -> None:
+    """A caller's path names the provider: counted under `unknown`, never a series of its own."""
+    before = answered("unknown", "404")
+    body = encode(charge_event(None))
+    response = await post(offline.client, body, sign(body, SECRET, int(time.time())),
+                          provider="anything-a-caller-makes-up")
+    assert response.status_code == 404
+    assert answered("unknown", "404") == before + 1
+    assert answered("anything-a-caller-makes-up", "404") == 0
 
 
 _json = st.recursive(

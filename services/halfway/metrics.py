@@ -16,7 +16,9 @@ hold yet and the tasks in memory count its folded and dormant ones):
   computed from the states at scrape time (a scrape costs O(tasks held), nothing else does);
 - `halfway_steps_settled_total{group,outcome,source}`: settlements folded;
 - `halfway_model_question_seconds{result}`, `halfway_tool_call_seconds{tool,result}`: latency
-  of each model question and each provider call, as histograms.
+  of each model question and each provider call, as histograms;
+- the gateway's `halfway_webhooks_answered_total{provider,status}` and
+  `halfway_webhooks_serving`.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from prometheus_client import REGISTRY, Histogram, start_http_server
+import prometheus_client
+from prometheus_client import REGISTRY, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -43,6 +46,11 @@ METRICS_HOST_ENV = "HALFWAY_METRICS_HOST"
 MODEL_QUESTIONS = Histogram("halfway_model_question_seconds", "One model question, end to end",
                             ["result"], buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
                                                  120))
+# The gateway: each webhook's answer, by provider (`unknown` for a name it does not serve: a
+# caller's path must not make new series) and HTTP status; and the requests it serves now.
+WEBHOOKS_ANSWERED = prometheus_client.Counter(
+    "halfway_webhooks_answered", "Webhooks answered by the gateway", ["provider", "status"])
+WEBHOOKS_SERVING = Gauge("halfway_webhooks_serving", "Webhooks the gateway is serving now")
 TOOL_CALLS = Histogram("halfway_tool_call_seconds", "One provider call (an attempt)",
                        ["tool", "result"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                                                     1, 2.5, 5, 10, 30))

@@ -59,7 +59,7 @@ from aiokafka.structs import ConsumerRecord
 from pydantic import ValidationError
 from structlog.typing import FilteringBoundLogger
 
-from halfway import log
+from halfway import log, metrics
 from halfway.contract.ids import KEY_PATTERN, parse_step_id, step_of_key
 from halfway.contract.topics import JOURNAL, WEBHOOKS
 from halfway.contract.webhooks import WebhookReceived
@@ -303,19 +303,26 @@ async def receive(request: web.Request) -> web.Response:
     provider = gateway.providers.get(name)
     if provider is None:
         known = ", ".join(sorted(gateway.providers)) or "none"
-        return _refuse(404, f"unknown provider {name[:100]!r}: webhooks are accepted for "
-                       f"{known}")
+        return _answered("unknown", _refuse(
+            404, f"unknown provider {name[:100]!r}: webhooks are accepted for {known}"))
     logger = log.get("halfway.gateway", provider=name)
     if gateway.serving >= REQUESTS_AT_ONCE_MAX:
         logger.warning("webhook refused", why="busy", serving=gateway.serving)
         busy = _refuse(503, f"{REQUESTS_AT_ONCE_MAX} webhooks are being received; retry")
         busy.headers["Retry-After"] = str(BUSY_RETRY_AFTER_S)
-        return busy
+        return _answered(name, busy)
     gateway.serving += 1
+    metrics.WEBHOOKS_SERVING.inc()
     try:
-        return await _receive(gateway, request, name, provider, logger)
+        return _answered(name, await _receive(gateway, request, name, provider, logger))
     finally:
         gateway.serving -= 1
+        metrics.WEBHOOKS_SERVING.dec()
+
+
+def _answered(provider: str, response: web.Response) -> web.Response:
+    metrics.WEBHOOKS_ANSWERED.labels(provider=provider, status=str(response.status)).inc()
+    return response
 
 
 async def _receive(gateway: Gateway, request: web.Request, name: str, provider: Provider,
