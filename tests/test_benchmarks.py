@@ -1,9 +1,10 @@
 """Small runs of the benchmarks that issue 12's figures come from, so that they keep running.
 
 Each runs its script end to end against the real broker, at a size CI can afford, and checks
-what it reports besides times: a restart from snapshots reads them and loses no partition; the
-side-by-side table has a row of figures for each halfway system and the CPU per process. No
-time is asserted: the figures are for people (`benchmarks/*.py`, at their real sizes).
+what it reports besides times: a restart from snapshots (the decider's, the outcomes
+publisher's, the projector's) reads them and loses no partition; the side-by-side table has a
+row of figures for each halfway system and the CPU per process. No time is asserted: the
+figures are for people (`benchmarks/*.py`, at their real sizes).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import math
 import re
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -73,3 +75,23 @@ async def test_side_by_side_prints_a_row_for_each_halfway_system_and_variant(
         assert re.search(rf"^  halfway-w\s+{phase}\s+[\d.]+ \(worker [\d.]+, reconciler ",
                          out, re.MULTILINE), out[-3000:]
     assert "floor: journal append (acks=all) p50" in out
+
+
+@pytest.mark.broker
+async def test_the_projectors_restart_restores_every_partition(
+        infrastructure: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import projector as bench
+
+    monkeypatch.setattr(bench, "LOG_DIR", tmp_path)
+    await bench.restart_cost(KafkaSettings.from_env(), 1200, 60,
+                             f"bench_{uuid.uuid4().hex[:8]}_restart")
+    rows = {line[:34].strip(): line for line in capsys.readouterr().out.splitlines()}
+    partitions = recovery.JOURNAL.partitions
+    assert f"{partitions}/{partitions}" in rows["restart from snapshots"], rows
+    for zero in ("restart from zero, snapshots off", "restart from zero, snapshots on"):
+        assert f"0/{partitions}" in rows[zero], rows
+    # The restart from snapshots read them, and folded only what came after.
+    log = Path(rows["restart from snapshots"].rsplit("(", 1)[1].rstrip(")"))
+    text = await asyncio.to_thread(log.read_text)
+    assert text.count('"partition restored from its snapshot"') == partitions
