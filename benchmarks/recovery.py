@@ -64,7 +64,7 @@ EVENTS_PER_TASK = 6
 HISTORY_DAYS = 30
 LOG_DIR = Path(".halfway/bench")  # the service's log of each run
 SERVICES = ("decider", "outcomes")
-WAIT_S = 1800.0  # for one restart, at the largest size
+WAIT_S = 1800.0  # for one restart, at the largest size (`--wait-s`: a first start at 10M)
 QUIET_S = 3.0  # the outcomes topic's end unchanged this long: the publisher told everything
 
 
@@ -319,6 +319,7 @@ async def one(base: KafkaSettings, service: str, events: int, *, prefix: str | N
 
 
 async def main() -> None:
+    global WAIT_S  # `--wait-s`
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", default="10000,100000,1000000")
     parser.add_argument("--keep", action="store_true",
@@ -328,11 +329,15 @@ async def main() -> None:
     parser.add_argument("--first", action="store_true",
                         help="with --prefix: a first start that writes the snapshots too "
                              "(a kept history whose snapshots this build cannot read)")
+    parser.add_argument("--wait-s", type=float, default=WAIT_S,
+                        help="bound on one start's wait (the outcomes' first start at 10M "
+                             "tells 5M messages: longer than the default %(default)s s)")
     parser.add_argument("--no-cold", action="store_true",
                         help="outcomes: no restart from zero (at 10M it reads for long)")
     parser.add_argument("--service", choices=SERVICES, default="decider",
                         help="the service restarted (default: %(default)s)")
     args = parser.parse_args()
+    WAIT_S = args.wait_s
     base = KafkaSettings.from_env()
     print(f"{args.service}: restart → first action")
     print(f"{'journal events':>15} {'cold: first action':>19} {'RSS':>8}"
