@@ -274,7 +274,7 @@ async def one(base: KafkaSettings, service: str, events: int, *, prefix: str | N
               keep: bool = False, first: bool = False, cold: bool = True) -> dict[str, float]:
     """Fill a fresh prefix (or reuse `prefix`, filled by an earlier `--keep` run: the restart
     from snapshots only, unless `first`), time the restarts (the outcomes publisher's restart
-    from zero only if `cold`), and delete the topics unless `keep`."""
+    from zero only if `cold`), and delete the topics unless `keep` (or reused)."""
     settings = base.with_prefix(prefix or f"recovery-{uuid.uuid4().hex[:8]}.")
     r: dict[str, float] = {"cold_s": float("nan"), "cold_rss": float("nan"),
                            "fill_s": float("nan"), "first_s": float("nan"), "revoked": 0}
@@ -312,7 +312,7 @@ async def one(base: KafkaSettings, service: str, events: int, *, prefix: str | N
         r["read_s"] = max((e.get("seconds", 0.0) for e in restored), default=0.0)
         return r
     finally:
-        if keep:
+        if keep or prefix is not None:  # a history reused stays, whatever happened
             print(f"kept: --prefix {settings.topic_prefix}", flush=True)
         else:
             await delete_topics(settings, ALL_TOPICS)
