@@ -391,7 +391,7 @@ async def restart_cost(base: KafkaSettings, events: int, tail: int, schema: str,
             print(f"{label:<34} {seconds:>14.2f} s {rss:>5.0f} MiB "
                   f"{restored:>5}/{JOURNAL.partitions}  ({log_path})", flush=True)
     finally:
-        if keep:
+        if keep or prefix is not None:  # a journal reused stays, whatever happened
             print(f"kept: --prefix {settings.topic_prefix} --schema {schema}", flush=True)
         else:
             await store.drop_schema(conn, schema)
