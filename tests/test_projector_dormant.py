@@ -13,6 +13,7 @@ write, and an image of it restores to the same again.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from datetime import datetime, timedelta
 
 import pytest
@@ -32,7 +33,8 @@ from tests.factories import EPOCH, Stamper
 DAY = timedelta(days=1)
 TASKS = 4
 LATE = ("confirmed", "contradicted", "requested again")
-WAITS_S = (1, 61, 61, 3600, 2 * 86400)  # under and over a minute, past the seal window
+# Under a minute, past it (twice as likely: what makes tasks dormant), past the seal window.
+WAITS_S = (1, 61, 61, 3600, 2 * 86400)
 
 
 def projector(*, dormant: bool) -> Projector:
@@ -40,15 +42,15 @@ def projector(*, dormant: bool) -> Projector:
                      schema="unused", seal_after_s=DAY.total_seconds(), snapshots=dormant)
 
 
-def life(task_id: str, late: str) -> list:
+def life(task_id: str, late: str) -> tuple[Stamper, list[Callable[[], Event]]]:
     """A task's events, each made when its time comes (`at` from the stamper's `now`)."""
     s = Stamper(task_id, tick=timedelta(0))
     news = {"confirmed": lambda: s.settled(1, Outcome.DONE, source=SettlementSource.WEBHOOK),
             "contradicted": lambda: s.settled(1, Outcome.NOT_DONE,
                                               source=SettlementSource.WEBHOOK),
             "requested again": s.requested}[late]
-    return [s, s.started, lambda: s.intended(1), lambda: s.attempted(1, 1),
-            lambda: s.settled(1, Outcome.DONE, attempt=1), s.finished, news]
+    return s, [s.started, lambda: s.intended(1), lambda: s.attempted(1, 1),
+               lambda: s.settled(1, Outcome.DONE, attempt=1), s.finished, news]
 
 
 def record(event: Event, offset: int) -> ConsumerRecord:
@@ -135,11 +137,10 @@ def test_dormant_tasks_fold_seal_and_restore_as_if_kept_whole(
             mine = restored(mine_p, mine)
             assert_same(mine, theirs, task_ids)
         if move == "event":
-            stamper, *todo = lives[arg % TASKS]
+            stamper, todo = lives[arg % TASKS]
             if todo:  # (else its life is over)
                 stamper.now = clock
                 event = todo.pop(0)()
-                lives[arg % TASKS] = [stamper, *todo]
                 late_before = mine_p.late
                 for p, part in ((mine_p, mine), (theirs_p, theirs)):
                     p._fold(part, [record(event, offset)])
