@@ -189,3 +189,44 @@ def test_a_task_over_for_good_goes_dormant_a_minute_after_it_ended_and_wakes_on_
     assert part.states["dormant-one"] == fold([*done, news])
     assert part.states["dormant-one"].needs_attention
     assert "dormant-one" in part.dirty  # its row is written again
+
+
+def test_a_task_that_ended_just_before_the_image_goes_dormant_after_the_restore() -> None:
+    p = projector(dormant=True)
+    part = p._new_partition(0)
+    part.written_to = 0
+    s, clock = Stamper("dormant-late", tick=timedelta(seconds=1)), Stamper("dormant-clock")
+    s.now = EPOCH
+    done = [s.started(), s.intended(1), s.attempted(1, 1),
+            s.settled(1, Outcome.DONE, attempt=1), s.finished()]
+    p._fold(part, [record(e, i) for i, e in enumerate(done)])
+    part.stored(part.position)  # an image is of stored rows; the task ended a moment ago
+    again = restored(p, part)
+    assert "dormant-late" in again.states
+
+    clock.now = s.now + timedelta(seconds=61)
+    p._fold(again, [record(clock.started(), len(done))])
+    assert "dormant-late" in again.seals.dormant  # the restored queue took it on
+    assert "dormant-late" not in again.states
+
+
+def test_a_re_sync_below_a_dormant_task_folds_it_again_and_it_goes_dormant_once_written(
+) -> None:
+    p = projector(dormant=True)
+    part = p._new_partition(0)
+    part.written_to = 0
+    s, clock = Stamper("dormant-resync", tick=timedelta(seconds=1)), Stamper("dormant-clock")
+    s.now = EPOCH
+    done = [s.started(), s.intended(1), s.attempted(1, 1),
+            s.settled(1, Outcome.DONE, attempt=1), s.finished()]
+    p._fold(part, [record(e, i) for i, e in enumerate(done)])
+    part.stored(part.position)
+    clock.now = s.now + timedelta(seconds=61)
+    p._fold(part, [record(clock.started(), len(done))])
+    assert "dormant-resync" in part.seals.dormant
+
+    part.resync(0)  # another writer moved the stored offset back: its row is written again
+    assert part.states["dormant-resync"] == fold(done)
+    assert "dormant-resync" in part.dirty
+    part.stored(part.position)
+    assert "dormant-resync" in part.seals.dormant
