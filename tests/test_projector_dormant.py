@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 import pytest
@@ -165,68 +166,74 @@ def test_dormant_tasks_fold_seal_and_restore_as_if_kept_whole(
     assert_same(restored(mine_p, mine), theirs, task_ids)
 
 
-def test_a_task_over_for_good_goes_dormant_a_minute_after_it_ended_and_wakes_on_news() -> None:
+@dataclass
+class OneTask:
+    """A projector's partition that folded one task's life, over for good (`done`), at EPOCH;
+    `clock` stamps another task's records, to move the journal's clock."""
+
+    p: Projector
+    part: _Partition
+    task: Stamper
+    clock: Stamper
+    done: list[Event]
+
+    def later(self, seconds: float) -> None:
+        """Another task starts `seconds` after the task's end (its record comes next)."""
+        self.clock.now = self.task.now + timedelta(seconds=seconds)
+        self.p._fold(self.part, [record(self.clock.started(), self.part.position)])
+
+
+def one_task(task_id: str) -> OneTask:
     p = projector(dormant=True)
     part = p._new_partition(0)
     part.written_to = 0
-    s, clock = Stamper("dormant-one", tick=timedelta(seconds=1)), Stamper("dormant-clock")
-    s.now = clock.now = EPOCH
+    s = Stamper(task_id, now=EPOCH, tick=timedelta(seconds=1))
     done = [s.started(), s.intended(1), s.attempted(1, 1),
             s.settled(1, Outcome.DONE, attempt=1), s.finished()]
     p._fold(part, [record(e, i) for i, e in enumerate(done)])
-    clock.now = s.now + timedelta(seconds=61)
-    p._fold(part, [record(clock.started(), len(done))])
+    return OneTask(p, part, s, Stamper("dormant-clock"), done)
+
+
+def test_a_task_over_for_good_goes_dormant_a_minute_after_it_ended_and_wakes_on_news() -> None:
+    t = one_task("dormant-one")
+    part = t.part
+    t.later(61)
     assert "dormant-one" in part.states  # its row is not stored yet
     part.stored(part.position)
     assert "dormant-one" in part.seals.dormant
     assert "dormant-one" not in part.states
     assert "dormant-one" not in part.history
 
-    s.now = clock.now
-    news = s.settled(1, Outcome.NOT_DONE, source=SettlementSource.WEBHOOK)
-    p._fold(part, [record(news, len(done) + 1)])
+    t.task.now = t.clock.now
+    news = t.task.settled(1, Outcome.NOT_DONE, source=SettlementSource.WEBHOOK)
+    t.p._fold(part, [record(news, part.position)])
     assert "dormant-one" not in part.seals.dormant
-    assert part.states["dormant-one"] == fold([*done, news])
+    assert part.states["dormant-one"] == fold([*t.done, news])
     assert part.states["dormant-one"].needs_attention
     assert "dormant-one" in part.dirty  # its row is written again
 
 
 def test_a_task_that_ended_just_before_the_image_goes_dormant_after_the_restore() -> None:
-    p = projector(dormant=True)
-    part = p._new_partition(0)
-    part.written_to = 0
-    s, clock = Stamper("dormant-late", tick=timedelta(seconds=1)), Stamper("dormant-clock")
-    s.now = EPOCH
-    done = [s.started(), s.intended(1), s.attempted(1, 1),
-            s.settled(1, Outcome.DONE, attempt=1), s.finished()]
-    p._fold(part, [record(e, i) for i, e in enumerate(done)])
-    part.stored(part.position)  # an image is of stored rows; the task ended a moment ago
-    again = restored(p, part)
-    assert "dormant-late" in again.states
+    t = one_task("dormant-late")
+    t.part.stored(t.part.position)  # an image is of stored rows; the task ended a moment ago
+    t.part = restored(t.p, t.part)
+    assert "dormant-late" in t.part.states
 
-    clock.now = s.now + timedelta(seconds=61)
-    p._fold(again, [record(clock.started(), len(done))])
-    assert "dormant-late" in again.seals.dormant  # the restored queue took it on
-    assert "dormant-late" not in again.states
+    t.later(61)
+    assert "dormant-late" in t.part.seals.dormant  # the restored queue took it on
+    assert "dormant-late" not in t.part.states
 
 
 def test_a_re_sync_below_a_dormant_task_folds_it_again_and_it_goes_dormant_once_written(
 ) -> None:
-    p = projector(dormant=True)
-    part = p._new_partition(0)
-    part.written_to = 0
-    s, clock = Stamper("dormant-resync", tick=timedelta(seconds=1)), Stamper("dormant-clock")
-    s.now = EPOCH
-    done = [s.started(), s.intended(1), s.attempted(1, 1),
-            s.settled(1, Outcome.DONE, attempt=1), s.finished()]
-    p._fold(part, [record(e, i) for i, e in enumerate(done)])
+    t = one_task("dormant-resync")
+    part = t.part
     part.stored(part.position)
-    clock.now = s.now + timedelta(seconds=61)
-    p._fold(part, [record(clock.started(), len(done))])
+    t.later(61)
     assert "dormant-resync" in part.seals.dormant
 
     part.resync(0)  # another writer moved the stored offset back: its row is written again
-    assert part.states["dormant-resync"] == fold(done)
+    assert part.states["dormant-resync"] == fold(t.done)
     assert "dormant-resync" in part.dirty
     part.stored(part.position)
     assert "dormant-resync" in part.seals.dormant
