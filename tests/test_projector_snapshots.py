@@ -159,6 +159,17 @@ async def restart(journal: KafkaSettings, pg: asyncpg.Connection,  # noqa: F811
     return p
 
 
+async def assert_restart_replays_from_zero(journal: KafkaSettings,  # noqa: F811
+                                           pg: asyncpg.Connection, schema: str,  # noqa: F811
+                                           j: Journal) -> None:
+    """A restart after `j.tail` uses no snapshot: it folds the whole journal, and writes the
+    rows of a replay from zero."""
+    p = await restart(journal, pg, schema, j.tail, j.partition)
+    assert p.restored == {}
+    assert p.folded == len(j.head) + len(j.tail)  # from zero
+    await assert_rows_of_a_replay_from_zero(journal, pg, schema, late=2)
+
+
 async def test_snapshot_and_tail_write_the_rows_a_replay_from_zero_writes(
         journal: KafkaSettings, pg: asyncpg.Connection, schema: str,  # noqa: F811
 ) -> None:
@@ -230,10 +241,7 @@ async def test_a_corrupt_snapshot_is_passed_over_for_a_replay_from_zero(
                 writer, group, snapshots.Image(j.partition, at, None), b"not an image")
     await _commit(journal, group, tp, at, forged.metadata())
 
-    p = await restart(journal, pg, schema, j.tail, j.partition)
-    assert p.restored == {}
-    assert p.folded == len(j.head) + len(j.tail)  # from zero
-    await assert_rows_of_a_replay_from_zero(journal, pg, schema, late=2)
+    await assert_restart_replays_from_zero(journal, pg, schema, j)
 
 
 async def test_a_snapshot_ahead_of_the_stored_offset_is_passed_over_for_a_replay_from_zero(
@@ -256,10 +264,7 @@ async def test_a_snapshot_ahead_of_the_stored_offset_is_passed_over_for_a_replay
                                 else "split_part(step_id, ':', 1)")
                              + " <> $1", s.done_id)
 
-    p = await restart(journal, pg, schema, j.tail, j.partition)
-    assert p.restored == {}
-    assert p.folded == len(j.head) + len(j.tail)  # from zero
-    await assert_rows_of_a_replay_from_zero(journal, pg, schema, late=2)
+    await assert_restart_replays_from_zero(journal, pg, schema, j)
 
 
 async def test_tasks_dormant_in_the_snapshot_are_restored_unfolded_and_folded_again_on_news(
