@@ -260,7 +260,9 @@ async def burst_lag(base: KafkaSettings, burst: int, schema: str) -> None:
 
 async def caught_up(settings: KafkaSettings, schema: str, log_path: Path,
                     process: asyncio.subprocess.Process) -> None:
-    """Until PostgreSQL holds the journal's end offsets (as they are now)."""
+    """Until the projector has taken up every partition (restored or not: a partition the
+    tail left alone is already stored) and PostgreSQL holds the journal's end offsets (as
+    they are now)."""
     ends = await journal_ends(settings)
     conn = await store.connect(env.pg_dsn())
     try:
@@ -269,13 +271,20 @@ async def caught_up(settings: KafkaSettings, schema: str, log_path: Path,
                 if await store.schema_exists(conn, schema):
                     stored = await store.read_offsets(conn, schema,
                                                       JOURNAL.name(settings.topic_prefix))
-                    if all(stored.get(p, 0) >= e for p, e in ends.items()):
+                    if (all(stored.get(p, 0) >= e for p, e in ends.items())
+                            and adopted(log_path) >= set(ends)):
                         return
                 if process.returncode is not None:
                     raise RuntimeError(f"the projector exited:\n{log_text(log_path)[-3000:]}")
                 await asyncio.sleep(CATCH_UP_POLL_S)
     finally:
         await conn.close()
+
+
+def adopted(log_path: Path) -> set[int]:
+    """The partitions the projector has read its stored offsets of (after a restore)."""
+    return {int(p) for entry in logged(log_path, "stored offsets read")
+            for p in entry.get("offsets", {})}
 
 
 async def journal_ends(settings: KafkaSettings) -> dict[int, int]:
