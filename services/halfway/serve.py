@@ -63,7 +63,8 @@ async def run_service(name: Service, settings: KafkaSettings, registry: Registry
     from halfway.decider.service import Decider
     from halfway.executor.service import Executor
     from halfway.journal.follower import run_until_cancelled
-    from halfway.outcomes.service import OutcomesPublisher
+    from halfway.journal.writer import DEFAULT_BATCH_BYTES
+    from halfway.outcomes.service import WRITER_BATCH_BYTES, OutcomesPublisher
     from halfway.reconciler.service import Reconciler
 
     label = app.label if app is not None else "unnamed"
@@ -81,7 +82,9 @@ async def run_service(name: Service, settings: KafkaSettings, registry: Registry
             executor.partner = decider
             await run_until_cancelled(executor.run(), decider.run())
         return
-    async with JournalWriter(settings) as writer:
+    # The outcomes publisher has hundreds of sends in flight when it tells a history.
+    batch_bytes = WRITER_BATCH_BYTES if name is Service.OUTCOMES else DEFAULT_BATCH_BYTES
+    async with JournalWriter(settings, batch_bytes=batch_bytes) as writer:
         match name:
             case Service.DECIDER:
                 await Decider(settings, registry, model or ScriptedModel(), writer,

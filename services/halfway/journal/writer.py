@@ -25,6 +25,7 @@ from halfway.journal.records import record_headers, record_key, record_value
 from halfway.journal.replay import key_partitioner
 from halfway.settings import KafkaSettings
 
+DEFAULT_BATCH_BYTES = 16_384  # aiokafka's
 # A listener of this process's journal appends: (topic, event, partition, offset, writer).
 Appended = Callable[[str, Event, int, int, "JournalWriter"], None]
 
@@ -57,7 +58,11 @@ local_appends = LocalAppends()
 
 
 class JournalWriter:
-    def __init__(self, settings: KafkaSettings, *, linger_ms: int = 0) -> None:
+    def __init__(self, settings: KafkaSettings, *, linger_ms: int = 0,
+                 batch_bytes: int = DEFAULT_BATCH_BYTES) -> None:
+        """`batch_bytes`: the most one partition's batch holds. A sender that finds it full
+        waits until it is sent, and every such waiter wakes each time one is: a writer with
+        hundreds of sends in flight to few partitions wants it larger."""
         self.settings = settings
         self._producer = AIOKafkaProducer(
             **settings.client(),
@@ -66,6 +71,7 @@ class JournalWriter:
             # twice. It does not dedupe a second writer; the fold's first-in-log rule does.
             enable_idempotence=True,
             linger_ms=linger_ms,
+            max_batch_size=batch_bytes,
             partitioner=key_partitioner,
             request_timeout_ms=30_000,
         )

@@ -91,6 +91,10 @@ LOGGED_REASON_CHARS_MAX = 500
 # Sealed tasks whose owed messages are sent at once (a replay may seal many that owe some):
 # many sends in flight make the producer's batches large.
 OWED_AT_ONCE_MAX = 512
+# The publisher's writer's batches: larger than the OWED_AT_ONCE_MAX messages (a few hundred
+# bytes each) in flight at once, so a send seldom waits for a full batch to go; far below a
+# topic's 1 MiB message limit.
+WRITER_BATCH_BYTES = 256 * 1024
 # After a failure to send a sealed task's messages, they are tried again this much later.
 OWED_RETRY_S = 1.0
 # Sealed tasks owing messages past which the fold waits for sends (a replay into an empty or
@@ -393,7 +397,7 @@ class OutcomesPublisher:
                 if sent.offset >= self._topic_next.get(sent.partition, 0):
                     self._topic_next[sent.partition] = sent.offset + 1
                 self.published += 1
-                self._log.info("outcome published", task_id=task_id,
+                self._log.debug("outcome published", task_id=task_id,
                                message_id=message.message_id, state=message.state)
         finally:
             task.sending = False
