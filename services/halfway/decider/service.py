@@ -68,6 +68,7 @@ from halfway.contract import (
 )
 from halfway.contract.events import TOKENS_PER_QUESTION_MAX, new_event_id
 from halfway.contract.guards import GuardRecord, SubjectClaimed, SubjectReleased
+from halfway.contract.ids import parse_step_id
 from halfway.contract.topics import TASKS
 from halfway.core import saga
 from halfway.core.decide import (
@@ -538,11 +539,16 @@ class Decider:
         never became their step. True while a withdrawal waits for the fold."""
         task_id = state.task_id
         held = self.guards.book.held_by(task_id)
+        if not held:  # the usual case: no claim to move, none of ours still listed
+            self._released.pop(task_id, None)
+            return False
         released = self._released.setdefault(task_id, set())
         released &= {claim.event_id for claim in held.values()}  # what the guard still lists
         if not released:
             del self._released[task_id]
-        placing = {n for (t, n) in self._asking if t == task_id}
+        # Its claims' steps being asked now (a lookup per claim, not a scan of every question).
+        placing = {n for n in (parse_step_id(c.step_id)[1] for c in held.values())
+                   if (task_id, n) in self._asking}
         withdrew = False
         for move in guard_moves(held.values(), state, placing):
             match move:
