@@ -70,6 +70,7 @@ async def test_each_service_serves_its_metrics(core: Cluster) -> None:
     group = f"{core.settings.topic_prefix}decider"
     assert total(decider, "halfway_events_applied_total", group=group) >= 5
     assert total(decider, "halfway_model_question_seconds_count", result="answered") >= 2
+    assert decider["halfway_model_questions_waiting"] == [({}, 0.0)]  # none left queued
     assert total(decider, "halfway_tasks_in_memory", group=group) >= 1
     caught_up = [v for labels, v in decider["halfway_partition_caught_up"]
                  if labels["group"] == group]

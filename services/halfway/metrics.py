@@ -16,7 +16,8 @@ hold yet and the tasks in memory count its folded and dormant ones):
   computed from the states at scrape time (a scrape costs O(tasks held), nothing else does);
 - `halfway_steps_settled_total{group,outcome,source}`: settlements folded;
 - `halfway_model_question_seconds{result}`, `halfway_tool_call_seconds{tool,result}`: latency
-  of each model question and each provider call, as histograms;
+  of each model question and each provider call, as histograms, and
+  `halfway_model_questions_waiting`: questions queued for one of the decider's model slots;
 - the gateway's `halfway_webhooks_answered_total{provider,status}` and
   `halfway_webhooks_serving`.
 """
@@ -46,6 +47,8 @@ METRICS_HOST_ENV = "HALFWAY_METRICS_HOST"
 MODEL_QUESTIONS = Histogram("halfway_model_question_seconds", "One model question, end to end",
                             ["result"], buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
                                                  120))
+MODEL_QUESTIONS_WAITING = Gauge("halfway_model_questions_waiting",
+                                "Questions waiting for a model slot (decider)")
 # The gateway: each webhook's answer, by provider (`unknown` for a name it does not serve: a
 # caller's path must not make new series) and HTTP status; and the requests it serves now.
 WEBHOOKS_ANSWERED = prometheus_client.Counter(

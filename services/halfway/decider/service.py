@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -99,7 +100,9 @@ from halfway.models import Usage as ModelUsage
 from halfway.settings import KafkaSettings
 from halfway.tools.registry import Registry
 
-MODEL_CALLS_MAX = 64  # questions in flight at once; more wait for a slot
+# Questions asked (and their answers placed) at once; more wait for a slot, in order, each a
+# key in a queue (not a task), bounded by the tasks owned that are waiting for a decision.
+MODEL_CALLS_MAX = 64
 MODEL_TIMEOUT_S = 150.0  # a bound beyond the model adapter's own (openai_chat: 120 s)
 ALSO_PROPOSED_MAX = 15  # further calls of one answer kept with its step (not run)
 # A move that failed outside the model (the journal unreachable): the task is tried again after
@@ -165,7 +168,10 @@ class Decider:
                                             self.guards.book.held_by(t)))
         self.follower.on_give_up = self._give_up
         self.guards = GuardView(settings, writer, on_record=self._on_guard_record)
-        self._asking: dict[tuple[str, int], asyncio.Task[None]] = {}
+        # Questions asked or waiting for a slot (None: queued in `_queued`), by (task, step).
+        self._asking: dict[tuple[str, int], asyncio.Task[None] | None] = {}
+        self._queued: deque[tuple[str, int]] = deque()
+        self._asks_running = 0  # `_ask` tasks: at most MODEL_CALLS_MAX
         # Claims (event ids) this process released, per task, while the guard still lists them.
         self._released: dict[str, set[str]] = {}
         # Tasks waiting for a subject held by another step: (tool, subject) -> task ids. Bounded
@@ -173,7 +179,6 @@ class Decider:
         self._waiting: dict[tuple[str, str], set[str]] = {}
         self._waits_on: dict[str, tuple[str, str]] = {}  # the other way round
         self._timers: dict[str, asyncio.TimerHandle] = {}
-        self._slots = asyncio.Semaphore(MODEL_CALLS_MAX)
         self._log = log.get("halfway.decider")
 
     async def run(self) -> None:
@@ -185,7 +190,10 @@ class Decider:
             await run_until_cancelled(self.guards.run(), self._follow_once_guarded())
         finally:
             for task in self._asking.values():
-                task.cancel()
+                if task is not None:
+                    task.cancel()
+            metrics.MODEL_QUESTIONS_WAITING.dec(len(self._queued))
+            self._queued.clear()
             for timer in self._timers.values():
                 timer.cancel()
             await self.follower.stop()
@@ -270,7 +278,10 @@ class Decider:
                 self._wake_at(task_id, at)
                 self._log.info("waiting for the model", why=why)
             case Ask(n=n) if (task_id, n) not in self._asking:
-                self._asking[(task_id, n)] = asyncio.create_task(self._ask(task_id, n))
+                self._asking[(task_id, n)] = None
+                self._queued.append((task_id, n))
+                metrics.MODEL_QUESTIONS_WAITING.inc()
+                self._ask_queued()
             case _:
                 pass  # Hold, Idle, or a question already in flight
 
@@ -362,6 +373,15 @@ class Decider:
 
         self._timers[task_id] = asyncio.get_running_loop().call_later(max(0.0, delay_s), wake)
 
+    def _ask_queued(self) -> None:
+        """Ask the queued questions, oldest first, while a slot is free."""
+        while self._queued and self._asks_running < MODEL_CALLS_MAX:
+            key = self._queued.popleft()
+            metrics.MODEL_QUESTIONS_WAITING.dec()
+            if key in self._asking and self._asking[key] is None:
+                self._asks_running += 1
+                self._asking[key] = asyncio.create_task(self._ask(*key))
+
     async def _ask(self, task_id: str, n: int) -> None:
         retry_in_s = None
         with log.bound(task_id=task_id, step_id=f"{task_id}:{n}"), tracing.span(
@@ -369,10 +389,9 @@ class Decider:
             try:
                 if not self.follower.owns(task_id):
                     return  # revoked between the change and this task starting
-                async with self._slots:
-                    history = history_of(self._state(task_id), n, self.registry.infos(),
-                                         self.instructions)
-                    answer = await self._question(history)
+                history = history_of(self._state(task_id), n, self.registry.infos(),
+                                     self.instructions)
+                answer = await self._question(history)
                 if isinstance(answer, ModelUnavailable):
                     await self._model_failed(task_id, n, answer)
                 else:
@@ -391,6 +410,8 @@ class Decider:
                                     "undecided", retry_in_s=retry_in_s)
             finally:
                 del self._asking[(task_id, n)]
+                self._asks_running -= 1
+                self._ask_queued()
                 if not self.follower.owns(task_id):
                     self._place_failures.pop((task_id, n), None)  # another decider's now
                 if retry_in_s is None:
