@@ -398,7 +398,7 @@ class OutcomesPublisher:
                     self._topic_next[sent.partition] = sent.offset + 1
                 self.published += 1
                 self._log.debug("outcome published", task_id=task_id,
-                               message_id=message.message_id, state=message.state)
+                                message_id=message.message_id, state=message.state)
         finally:
             task.sending = False
             if task.sealed:
