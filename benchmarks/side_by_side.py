@@ -139,6 +139,11 @@ class NotRun(Exception):
 # --- processes and their CPU time -------------------------------------------------------------
 
 
+def default_cache() -> Path:
+    """Where the peers are installed and each run's logs go."""
+    return Path(os.environ.get("HALFWAY_BENCH_CACHE", "~/.cache/halfway-bench")).expanduser()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -945,8 +950,7 @@ def parse_args() -> argparse.Namespace:
                         help="also run workers with these environment variables, as system "
                              "w-LABEL, interleaved with the others (repeatable): an A/B in one "
                              "run, e.g. base:PYTHONPATH=/path/to/other/checkout/services")
-    parser.add_argument("--cache", type=Path, default=Path(os.environ.get(
-        "HALFWAY_BENCH_CACHE", "~/.cache/halfway-bench")).expanduser())
+    parser.add_argument("--cache", type=Path, default=default_cache())
     args = parser.parse_args()
     if min(args.rounds, args.tasks) < 1 or min(args.callers, args.inflight) < 0:
         parser.error("--rounds and --tasks take 1 or more, --callers and --inflight 0 or more")

@@ -78,6 +78,31 @@ async def test_side_by_side_prints_a_row_for_each_halfway_system_and_variant(
 
 
 @pytest.mark.broker
+async def test_broker_cost_splits_idle_from_per_task_cpu(infrastructure: None,
+                                                         tmp_path: Path) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(ROOT / "benchmarks" / "broker_cost.py"), "--skip", "halfway",
+        "--tasks", "3", "--idle-s", "0.5", "--cache", str(tmp_path),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=ROOT)
+    try:
+        async with asyncio.timeout(SIDE_BY_SIDE_TIMEOUT_S):
+            out = (await proc.communicate())[0].decode(errors="replace")
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, out[-3000:]
+    number = r"[\d.]+"
+    for line in (rf"^no deployment, CPU ms/s: broker {number}$",
+                 rf"^halfway-w idle, CPU ms/s: broker {number}, worker {number}, "
+                 rf"reconciler {number}$",
+                 rf"^halfway-w 3 sequential tasks in {number} s \({number} ms each\), CPU ms "
+                 rf"per task: broker {number}, worker {number}, reconciler {number}$"):
+        assert re.search(line, out, re.MULTILINE), out[-3000:]
+    assert not re.search(r"^halfway ", out, re.MULTILINE), out[-3000:]  # skipped
+
+
+@pytest.mark.broker
 async def test_the_projectors_restart_restores_every_partition(
         infrastructure: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
