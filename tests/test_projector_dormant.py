@@ -203,6 +203,8 @@ def test_a_task_over_for_good_goes_dormant_a_minute_after_it_ended_and_wakes_on_
     assert "dormant-one" in part.seals.dormant
     assert "dormant-one" not in part.states
     assert "dormant-one" not in part.history
+    # Its events as bytes, and not its attempts' keys: only the followers' fence needs them.
+    assert part.seals.dormant["dormant-one"].first_attempts == ()
 
     t.task.now = t.clock.now
     news = t.task.settled(1, Outcome.NOT_DONE, source=SettlementSource.WEBHOOK)

@@ -149,9 +149,11 @@ class Dormant:
 
     @classmethod
     def of(cls, task_id: str, status: str, history: list[tuple[int, Event]],
-           request: TaskRequested | None) -> Dormant:
+           request: TaskRequested | None, *, first_attempts: bool = True) -> Dormant:
+        """`first_attempts`: keep the first attempt of each effect key (the followers' fence
+        against a second attempt needs them; the projector's rows do not)."""
         first: dict[str, int] = {}
-        for offset, event in history:
+        for offset, event in history if first_attempts else ():
             if isinstance(event, StepAttempted | CompensationAttempted):
                 first.setdefault(event.key, offset)
         raw = _EVENTS.dump_json([e for _, e in history]) + b"\n" + (

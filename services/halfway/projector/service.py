@@ -255,7 +255,7 @@ class _Partition:
         if history is None or not settled_for_good(state):
             return  # needs attention, or an effect is open: its next end re-enters it
         self.seals.dormant[task_id] = snaps.Dormant.of(task_id, str(state.status), history,
-                                                       None)
+                                                       None, first_attempts=False)
         del self.states[task_id], self.history[task_id]
 
     def wake(self, task_id: str) -> None:
