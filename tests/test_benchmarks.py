@@ -22,7 +22,7 @@ from benchmarks import recovery
 from halfway.settings import KafkaSettings
 
 ROOT = Path(__file__).resolve().parents[1]
-SIDE_BY_SIDE_TIMEOUT_S = 240.0
+SCRIPT_TIMEOUT_S = 240.0  # one benchmark script's small run
 
 # Figures of a whole deployment, and a restart that must keep its partitions: the machine alone.
 pytestmark = pytest.mark.load
@@ -47,23 +47,29 @@ async def test_recovery_restarts_from_snapshots_without_losing_partitions(
         assert '"snapshot' not in cold  # the restart from zero reads and writes none
 
 
-@pytest.mark.broker
-async def test_side_by_side_prints_a_row_for_each_halfway_system_and_variant(
-        infrastructure: None, tmp_path: Path) -> None:
+async def run_script(name: str, *args: str) -> str:
+    """`benchmarks/NAME ARGS`' output, once it exited 0 (killed past SCRIPT_TIMEOUT_S)."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(ROOT / "benchmarks" / "side_by_side.py"), "--skip", "restate,dbos",
-        "--rounds", "1", "--tasks", "4", "--callers", "2", "--inflight", "8",
-        "--floor-samples", "20", "--cache", str(tmp_path),
-        "--variant", "same:HALFWAY_LOG_LEVEL=ERROR",  # an A/B's second worker set, in the run
+        sys.executable, str(ROOT / "benchmarks" / name), *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=ROOT)
     try:
-        async with asyncio.timeout(SIDE_BY_SIDE_TIMEOUT_S):
+        async with asyncio.timeout(SCRIPT_TIMEOUT_S):
             out = (await proc.communicate())[0].decode(errors="replace")
     finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
     assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+@pytest.mark.broker
+async def test_side_by_side_prints_a_row_for_each_halfway_system_and_variant(
+        infrastructure: None, tmp_path: Path) -> None:
+    out = await run_script(
+        "side_by_side.py", "--skip", "restate,dbos", "--rounds", "1", "--tasks", "4",
+        "--callers", "2", "--inflight", "8", "--floor-samples", "20", "--cache", str(tmp_path),
+        "--variant", "same:HALFWAY_LOG_LEVEL=ERROR")  # an A/B's second worker set, in the run
     number = r"[\d,.]+"
     for system in ("halfway", "halfway-w", "w-same"):
         row = rf"^{re.escape(system)}\s+{number}\s+{number}\s+\S+\s+{number}\s+{number}\s+{number}$"
@@ -80,18 +86,8 @@ async def test_side_by_side_prints_a_row_for_each_halfway_system_and_variant(
 @pytest.mark.broker
 async def test_broker_cost_splits_idle_from_per_task_cpu(infrastructure: None,
                                                          tmp_path: Path) -> None:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(ROOT / "benchmarks" / "broker_cost.py"), "--skip", "halfway",
-        "--tasks", "3", "--idle-s", "0.5", "--cache", str(tmp_path),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=ROOT)
-    try:
-        async with asyncio.timeout(SIDE_BY_SIDE_TIMEOUT_S):
-            out = (await proc.communicate())[0].decode(errors="replace")
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    assert proc.returncode == 0, out[-3000:]
+    out = await run_script("broker_cost.py", "--skip", "halfway", "--tasks", "3",
+                           "--idle-s", "0.5", "--cache", str(tmp_path))
     number = r"[\d.]+"
     for line in (rf"^no deployment, CPU ms/s: broker {number}$",
                  rf"^halfway-w idle, CPU ms/s: broker {number}, worker {number}, "
