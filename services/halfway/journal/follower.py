@@ -373,7 +373,7 @@ class JournalFollower:
         """(topic, partition, records behind its end, caught up) of each owned partition."""
         out = []
         for tp, part in list(self._partitions.items()):
-            end = self._consumer.highwater(tp)
+            end = self._consumer.highwater(tp)  # None once revoked meanwhile
             end = part.end_at_assign if end is None else end
             out.append((tp.topic, tp.partition, max(0, end - part.applied_to - 1),
                         part.caught_up))

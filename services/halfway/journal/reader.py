@@ -73,6 +73,14 @@ class Wake:
         return self._future
 
 
+def known_end(consumer: AIOKafkaConsumer, tp: TopicPartition) -> int | None:
+    """The partition's end offset as of the consumer's last fetch, or None: not fetched yet,
+    or no longer assigned (a metrics scrape may race a rebalance: it must not fail)."""
+    if tp not in consumer.assignment():
+        return None
+    return consumer.highwater(tp)
+
+
 class EventConsumer:
     def __init__(self, settings: KafkaSettings, *, topics: tuple[TopicSpec, ...], group: str,
                  writer: RawWriter, listener: ConsumerRebalanceListener | None = None,
@@ -169,7 +177,7 @@ class EventConsumer:
         return await self._reader(tp).position(tp)
 
     def highwater(self, tp: TopicPartition) -> int | None:
-        return self._reader(tp).highwater(tp)
+        return known_end(self._reader(tp), tp)
 
     def seek(self, tp: TopicPartition, offset: int) -> None:
         self._reader(tp).seek(tp, offset)

@@ -75,6 +75,7 @@ from halfway.journal.admin import cluster_id, ensure_topics_once_up, topic_parti
 from halfway.journal.deadletters import DeadLetters
 from halfway.journal.follower import DORMANT_AFTER_S, RESTORE_BATCH, settled_for_good
 from halfway.journal.limits import fetch_limits
+from halfway.journal.reader import known_end
 from halfway.journal.records import InvalidRecord, decode
 from halfway.journal.sealed import EndedTasks, SealedTasks
 from halfway.journal.writer import JournalWriter
@@ -409,7 +410,7 @@ class Projector:
         for number, part in list(self._partitions.items()):
             if part.written_to is None or self._consumer is None:
                 continue
-            end = self._consumer.highwater(TopicPartition(self.topic, number))
+            end = known_end(self._consumer, TopicPartition(self.topic, number))
             behind = max(0, (part.position if end is None else end) - part.written_to)
             out.append((self.topic, number, behind, behind == 0))
         return out
