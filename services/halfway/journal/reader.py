@@ -75,10 +75,14 @@ class Wake:
 
 def known_end(consumer: AIOKafkaConsumer, tp: TopicPartition) -> int | None:
     """The partition's end offset as of the consumer's last fetch, or None: not fetched yet,
-    or no longer assigned (a metrics scrape may race a rebalance: it must not fail)."""
+    or no longer assigned. A metrics scrape asks from its own thread while the loop's may be
+    revoking the partition: it must not fail."""
     if tp not in consumer.assignment():
         return None
-    return consumer.highwater(tp)
+    try:
+        return consumer.highwater(tp)
+    except (AssertionError, AttributeError):  # revoked since the line above (python -O: the
+        return None                           # assertion gone, its state is None)
 
 
 class EventConsumer:
