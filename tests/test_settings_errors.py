@@ -1,5 +1,6 @@
 """A setting halfway cannot use stops a service at once with one line naming the variable, the
-value and what it takes (exit 2): never a traceback, never a service that runs on a guess."""
+value and what it takes (exit 2): never a traceback, never a service that runs on a guess, and
+nothing left open behind it."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ BAD = [
     ("HALFWAY_CHARGE_TIMEOUT_S", "nan", "above 0"),
     ("HALFWAY_CHARGE_TIMEOUT_S", "-1", "above 0"),
     ("HALFWAY_METRICS_PORT", "99999", "--metrics-port"),  # checked by the option itself
+    # Read by the journal's follower: before it makes its Kafka consumer, or one is left open.
+    ("HALFWAY_SNAPSHOT_EVERY_S", "-5", "must be at least 0"),
+    ("HALFWAY_SEAL_AFTER_S", "soon", "is not a number"),
 ]
 
 
@@ -41,6 +45,7 @@ async def test_a_service_started_with_a_bad_setting_says_which_and_exits_2(
     assert name in text, text
     assert says in text, text
     assert "Traceback" not in text, text
+    assert "Unclosed" not in text, text  # nothing was made that is then left open
 
 
 def test_unset_or_blank_settings_take_their_defaults(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -47,9 +47,10 @@ def number_from_env(name: str, default: float, *, whole: bool = False, low: floa
         kind = "a whole number" if whole else "a number"
         raise SettingsError(f"{name}={raw[:40]!r} is not {kind}") from None
     if not math.isfinite(value) or value < low or value > high or (above_low and value == low):
+        if high != math.inf:
+            raise SettingsError(f"{name}={raw[:40]} is outside {low:g}..{high:g}")
         floor = f"above {low:g}" if above_low else f"at least {low:g}"
-        bounds = floor if high == math.inf else f"{low:g}..{high:g}"
-        raise SettingsError(f"{name}={raw[:40]} is outside {bounds}")
+        raise SettingsError(f"{name}={raw[:40]} must be {floor}")
     return value
 
 

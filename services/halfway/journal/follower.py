@@ -231,6 +231,9 @@ class JournalFollower:
                  on_image: OnImage | None = None, hold: Hold | None = None) -> None:
         assert side in (None, TASKS, WEBHOOKS), "side topics must be keyed by task id"
         topics: tuple[TopicSpec, ...] = (JOURNAL,) if side is None else (JOURNAL, side)
+        # Settings from the environment first: a wrong one fails before any client is made.
+        self.snapshots = snaps.enabled(snapshots)
+        self._snapshot_every_s = snaps.every_s()
         self.group = group
         self._settings = settings
         self._side = None if side is None else side.name(settings.topic_prefix)
@@ -290,10 +293,9 @@ class JournalFollower:
         self._quieting: dict[int, deque[tuple[datetime, str]]] = {}
         # Snapshots: the journal records folded into each task's state since it was last
         # sealed (all of them for a live task), which is what an image of its partition holds.
-        self.snapshots = snaps.enabled(snapshots)
+        # (whether, and how often: read above)
         self._history: dict[str, list[tuple[int, Event]]] = {}
         self._snapshotting: asyncio.Task[None] | None = None
-        self._snapshot_every_s = snaps.every_s()
         self.snapshot_written_s: float | None = None  # monotonic, the last one written
         self.restored: dict[int, int] = {}  # partition -> offset its snapshot was taken at
         # Counted here as plain numbers, read at scrape time (metrics.py): a Prometheus
