@@ -29,6 +29,7 @@ BAD = [
     # Read by the journal's follower: before it makes its Kafka consumer, or one is left open.
     ("HALFWAY_SNAPSHOT_EVERY_S", "-5", "must be at least 0"),
     ("HALFWAY_SEAL_AFTER_S", "soon", "is not a number"),
+    ("HALFWAY_EVENT_LOOP", "trio", "is not one of uvloop, asyncio"),
 ]
 
 

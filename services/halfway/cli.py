@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
-from halfway import log
+from halfway import eventloop, log
 from halfway.serve import Service
 from halfway.settings import KafkaSettings, SettingsError
 
@@ -209,22 +209,22 @@ def _run_service(service: Runnable, app_ref: str | None, model: str | None) -> N
         case Runnable.GATEWAY:
             from halfway.gateway import serve_gateway
 
-            asyncio.run(serve_gateway())
+            eventloop.run(serve_gateway())
         case Runnable.API:
             from halfway.api import serve_api
 
-            asyncio.run(serve_api())
+            eventloop.run(serve_api())
         case Runnable.PROJECTOR:
             from halfway.projector.service import serve as serve_projector
 
-            asyncio.run(serve_projector())
+            eventloop.run(serve_projector())
         case _:
             from halfway.serve import serve
 
             loaded = _load_app(app_ref)  # a wrong --app or --model fails here, with why
             chosen = (_load_model(model, loaded)
                       if service in (Runnable.DECIDER, Runnable.WORKER) else None)
-            asyncio.run(serve(Service(service.value), app=loaded, model=chosen))
+            eventloop.run(serve(Service(service.value), app=loaded, model=chosen))
 
 
 @app.command()
@@ -241,7 +241,7 @@ def dev(app_ref: AppOption = None, model: ModelOption = None) -> None:
     from halfway import collector
 
     collector.tune()
-    asyncio.run(run_dev(loaded, chosen))
+    eventloop.run(run_dev(loaded, chosen))
 
 
 @app.command()
@@ -554,8 +554,8 @@ def mcp_serve(
     from halfway import collector
 
     collector.tune()
-    asyncio.run(serve_proxy(loaded, chosen, transport=transport.value, host=host, port=port,
-                            call_wait_s=wait_s, session_idle_s=idle_s, task=task))
+    eventloop.run(serve_proxy(loaded, chosen, transport=transport.value, host=host, port=port,
+                              call_wait_s=wait_s, session_idle_s=idle_s, task=task))
 
 
 def main() -> None:

@@ -120,7 +120,8 @@ async def serve(name: Service, *, app: App, model: Model | None = None) -> None:
     log.get("halfway.serve").info(
         "service starting", service=name.value, app=app.label, tools=sorted(registry.names()),
         model=None if model is None else model.name, bootstrap=settings.bootstrap,
-        prefix=settings.topic_prefix)
+        prefix=settings.topic_prefix,
+        loop=type(asyncio.get_running_loop()).__module__.partition(".")[0])  # halfway.eventloop
     try:
         await run_service(name, settings, registry,
                           model if Service.DECIDER in parts else None, app=app)

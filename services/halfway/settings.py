@@ -327,6 +327,20 @@ def model_call_log() -> str | None:
     return os.environ.get("HALFWAY_MODEL_CALL_LOG") or None
 
 
+EVENT_LOOP_ENV = "HALFWAY_EVENT_LOOP"
+EVENT_LOOPS = ("uvloop", "asyncio")
+
+
+def event_loop() -> str:
+    """The event loop services run on (`halfway.eventloop`): uvloop's by default, `asyncio`
+    for the standard library's own."""
+    raw = os.environ.get(EVENT_LOOP_ENV, "").strip()
+    chosen = raw.lower() or EVENT_LOOPS[0]
+    if chosen not in EVENT_LOOPS:
+        raise SettingsError(f"{EVENT_LOOP_ENV}={raw[:40]!r} is not one of {', '.join(EVENT_LOOPS)}")
+    return chosen
+
+
 def reconciler_lookups() -> bool:
     """`HALFWAY_RECONCILER_LOOKUPS=off`: only webhooks (and operators) settle unknown steps."""
     return os.environ.get("HALFWAY_RECONCILER_LOOKUPS", "on").lower() not in ("off", "0", "no")

@@ -1,7 +1,6 @@
 """`python -m halfway.projector`: run the projector until SIGTERM (configured by environment)."""
 
-import asyncio
-
+from halfway import eventloop
 from halfway.projector.service import serve
 
-asyncio.run(serve())
+eventloop.run(serve())
