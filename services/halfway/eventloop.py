@@ -2,10 +2,11 @@
 
 uvloop (libuv under a Cython event loop, by the authors of asyncpg) runs the same asyncio code
 with less Python per callback, socket read and write. Measured with benchmarks/side_by_side.py
-(three runs of `--skip halfway,restate,dbos --rounds 8 --tasks 100`, asyncio's loop as the
-variant, 2 cores): a worker on uvloop took 2-7% less time per step, served 5-12% more tasks per
-second with 8 callers and 1-15% more steps per second with 256 tasks in flight, at 3-7% less
-CPU per task. The same A/B now: `--variant asyncio:HALFWAY_EVENT_LOOP=asyncio`.
+(four runs of `--skip halfway,restate,dbos --rounds 8 --tasks 100`, asyncio's loop as the
+variant, 2 cores): a worker on uvloop served 5-12% more tasks per second with 8 callers and
+1-15% more steps per second with 256 tasks in flight, at 2-7% less CPU per task; a sequential
+step took 7% less to 3% more time (noise). The same A/B now:
+`--variant asyncio:HALFWAY_EVENT_LOOP=asyncio`.
 Short commands (`halfway start`, `status`, ...) keep asyncio's own loop: nothing to gain there.
 """
 
