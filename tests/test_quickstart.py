@@ -17,6 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from halfway import settings as env
+from halfway.contract.topics import ALL_TOPICS
+from halfway.journal.admin import delete_topics
+from halfway.projector import store
 from halfway.settings import KafkaSettings
 
 pytestmark = pytest.mark.broker
@@ -53,17 +57,25 @@ async def test_the_readme_quickstart_runs_as_written(kafka_settings: KafkaSettin
     script.write_text("set -e\ntrap 'kill $(jobs -p) 2>/dev/null; wait' EXIT\n"
                       + quickstart_block())
     output = tmp_path / "quickstart.out"
-    with output.open("wb") as out:
-        proc = await asyncio.create_subprocess_exec(
-            "bash", str(script), cwd=ROOT, env=environ, stdin=asyncio.subprocess.DEVNULL,
-            stdout=out, stderr=asyncio.subprocess.STDOUT)
+    try:
+        with output.open("wb") as out:
+            proc = await asyncio.create_subprocess_exec(
+                "bash", str(script), cwd=ROOT, env=environ, stdin=asyncio.subprocess.DEVNULL,
+                stdout=out, stderr=asyncio.subprocess.STDOUT)
+            try:
+                code = await asyncio.wait_for(proc.wait(), RUN_S)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+                raise AssertionError("the quickstart did not finish:\n"
+                                     + output.read_text(errors="replace")[-4000:]) from None
+    finally:  # what the run made on the shared broker and database goes with it
+        await delete_topics(kafka_settings.with_prefix(f"quick-{suffix}."), ALL_TOPICS)
+        conn = await store.connect(env.pg_dsn())
         try:
-            code = await asyncio.wait_for(proc.wait(), RUN_S)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-            raise AssertionError("the quickstart did not finish:\n"
-                                 + output.read_text(errors="replace")[-4000:]) from None
+            await store.drop_schema(conn, f"quick_{suffix}")
+        finally:
+            await conn.close()
     text = output.read_text(errors="replace")
     assert code == 0, text[-4000:]
     # The caller's lines share the file with the background jobs' logs. CI once saw exit 0
