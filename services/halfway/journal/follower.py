@@ -291,9 +291,9 @@ class JournalFollower:
         self._ended: dict[int, EndedTasks] = {}
         # The same, waiting to go dormant (snapshots only: dormant tasks need their history).
         self._quieting: dict[int, deque[tuple[datetime, str]]] = {}
-        # Snapshots: the journal records folded into each task's state since it was last
-        # sealed (all of them for a live task), which is what an image of its partition holds.
-        # (whether, and how often: read above)
+        # Snapshots (whether, and how often: read first, above): the journal records folded
+        # into each task's state since it was last sealed (all of them for a live task),
+        # which is what an image of its partition holds.
         self._history: dict[str, list[tuple[int, Event]]] = {}
         self._snapshotting: asyncio.Task[None] | None = None
         self.snapshot_written_s: float | None = None  # monotonic, the last one written
