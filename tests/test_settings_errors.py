@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import uuid
 
 import pytest
 
@@ -26,7 +27,8 @@ BAD = [
     ("HALFWAY_CHARGE_TIMEOUT_S", "nan", "above 0"),
     ("HALFWAY_CHARGE_TIMEOUT_S", "-1", "above 0"),
     ("HALFWAY_METRICS_PORT", "99999", "--metrics-port"),  # checked by the option itself
-    # Read by the journal's follower: before it makes its Kafka consumer, or one is left open.
+    # Read by the journal's follower, and checked before the service waits for the broker and
+    # its topics (this test's prefix has none: a late check would wait here until the timeout).
     ("HALFWAY_SNAPSHOT_EVERY_S", "-5", "must be at least 0"),
     ("HALFWAY_SEAL_AFTER_S", "soon", "is not a number"),
     ("HALFWAY_EVENT_LOOP", "trio", "is not one of uvloop, asyncio"),
@@ -38,7 +40,9 @@ async def test_a_service_started_with_a_bad_setting_says_which_and_exits_2(
         name: str, value: str, says: str) -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "halfway.cli", "run", "worker",
-        env=dict(os.environ) | {name: value}, stdin=asyncio.subprocess.DEVNULL,
+        env=dict(os.environ) | {name: value,
+                                "HALFWAY_TOPIC_PREFIX": f"no-topics-{uuid.uuid4().hex[:8]}."},
+        stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     out, _ = await asyncio.wait_for(proc.communicate(), 60)
     text = out.decode(errors="replace")

@@ -107,10 +107,22 @@ def stop_on_signals() -> None:
         loop.add_signal_handler(sig, task.cancel)
 
 
+def check_settings() -> None:
+    """Read the settings a service reads only once its follower is made (sealing, snapshots),
+    so that a wrong one stops the process at once (SettingsError), not after it has waited for
+    the broker and its topics."""
+    from halfway import settings as env
+    from halfway.journal import snapshots as snaps
+
+    env.seal_after_s()
+    snaps.every_s()
+
+
 async def serve(name: Service, *, app: App, model: Model | None = None) -> None:
     """The process entry point (the app and the model already loaded by the command line,
     which reports a wrong one): stop cleanly on SIGTERM or SIGINT."""
     log.configure()
+    check_settings()
     parts = PARTS.get(name, (name,))
     settings = KafkaSettings.from_env(parts[0].value)
     await ensure_topics_once_up(settings)

@@ -775,7 +775,10 @@ async def journal_end_offsets(settings: KafkaSettings) -> dict[int, int]:
 async def serve() -> None:
     """The process entry point (`python -m halfway.projector`): project into the schema
     HALFWAY_PG_SCHEMA until SIGTERM or SIGINT."""
+    from halfway.serve import check_settings
+
     log.configure()
+    check_settings()
     settings = KafkaSettings.from_env("projector")
     await ensure_topics_once_up(settings, (JOURNAL, DEAD_LETTERS))
     task = asyncio.current_task()
