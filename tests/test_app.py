@@ -65,6 +65,12 @@ def test_the_decorator_builds_the_one_model_of_a_tool() -> None:
     assert set(schema["properties"]) == {"ref", "title", "priority"}  # ctx is not an argument
     assert schema["required"] == ["ref", "title"]
     assert spec.effect_id({"ticket_id": "T-1"}) == "T-1"
+    policy = spec.policy()
+    assert policy is spec.policy()  # made once per spec: asked on every move
+    assert (policy.effect_class, policy.timeout_s, policy.key_ttl_s) == \
+        (EffectClass.KEYED, 5.0, 86_400)
+    assert policy.lookup_window_s == 86_400
+    assert policy.key_ttl_margin_s == 60.0
 
 
 @pytest.mark.parametrize(("args", "why"), [

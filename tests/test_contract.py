@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from pathlib import Path
 
 import jsonschema
@@ -11,6 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from halfway.contract import EVENT_TYPES, Outcome, event_type_name, parse_event
+from halfway.contract.events import new_event_id
 from halfway.contract.ids import (
     KEY_PATTERN,
     UNDO_KEYS_MAX,
@@ -113,6 +115,22 @@ def test_keys_are_minted_from_the_step_id_alone() -> None:
             mint_key(bad)
     with pytest.raises(ValueError, match="task id"):
         step_id("has:colon", 1)
+
+
+def test_event_ids_are_random_uuid4s_in_hex() -> None:
+    ids = [new_event_id() for _ in range(2000)]
+    assert len(set(ids)) == len(ids)
+    for text in ids:
+        assert re.fullmatch(r"[0-9a-f]{32}", text)
+        parsed = uuid.UUID(hex=text)
+        assert (parsed.version, parsed.variant) == (4, uuid.RFC_4122)
+    # Every other bit is random: each takes both values across the sample.
+    ored = anded = int(ids[0], 16)
+    for text in ids:
+        ored, anded = ored | int(text, 16), anded & int(text, 16)
+    fixed = (0xF000 << 64) | (0xC000 << 48)
+    assert ored | fixed == (1 << 128) - 1
+    assert anded & ~fixed == 0
 
 
 def test_the_longest_undo_key_fits_the_strictest_provider_limit() -> None:

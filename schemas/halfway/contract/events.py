@@ -20,7 +20,7 @@ dead-letter topic with the reason, instead of being half-understood.
 
 from __future__ import annotations
 
-import uuid
+import os
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal, Self
@@ -169,8 +169,15 @@ class ProposedCall(_Part):
 # Events.
 
 
+# A UUID4's version and variant bits, as `uuid.uuid4()` sets them.
+_UUID4_CLEAR = ~((0xF000 << 64) | (0xC000 << 48))
+_UUID4_SET = (0x4000 << 64) | (0x8000 << 48)
+
+
 def new_event_id() -> str:
-    return uuid.uuid4().hex
+    """A random UUID4 as 32 hex digits, the same as `uuid.uuid4().hex` at half its cost
+    (several are minted per step)."""
+    return f"{int.from_bytes(os.urandom(16), 'big') & _UUID4_CLEAR | _UUID4_SET:032x}"
 
 
 def utc_now() -> datetime:

@@ -6,7 +6,6 @@ import base64
 import codecs
 import hashlib
 import itertools
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -16,7 +15,7 @@ from aiokafka.structs import ConsumerRecord
 from pydantic import ValidationError
 
 from halfway.contract import Event, encode_event, parse_event
-from halfway.contract.events import DeadLetter
+from halfway.contract.events import DeadLetter, new_event_id
 from halfway.contract.guards import GuardRecord, parse_guard_record
 from halfway.contract.webhooks import WebhookReceived, parse_webhook
 
@@ -38,7 +37,7 @@ _UTF8_CHAR_BYTES_MAX = 4
 
 def stamp(task_id: str, at: datetime | None = None) -> dict[str, Any]:
     """The envelope a writer stamps on a new event, once, before its first send."""
-    return {"event_id": uuid.uuid4().hex, "task_id": task_id, "at": at or datetime.now(UTC)}
+    return {"event_id": new_event_id(), "task_id": task_id, "at": at or datetime.now(UTC)}
 
 
 def record_key(event: Event) -> bytes:

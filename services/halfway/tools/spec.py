@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Protocol
 
 from pydantic import BaseModel
@@ -140,6 +141,12 @@ class ToolSpec:
         return str(value)[:255] if value not in (None, "") else None
 
     def policy(self) -> StepPolicy:
+        return self._policy
+
+    @cached_property
+    def _policy(self) -> StepPolicy:
+        # Asked several times per step (the executor's every move, the reconciler's every
+        # look): made once per spec, which is frozen, as is the policy.
         return StepPolicy(
             effect_class=self.effect_class, timeout_s=self.timeout_s, key_ttl_s=self.key_ttl_s,
             key_ttl_margin_s=(self.key_ttl_margin_s if self.key_ttl_margin_s is not None
