@@ -95,6 +95,7 @@ from halfway.journal import JournalWriter
 from halfway.journal.follower import JournalFollower, run_until_cancelled
 from halfway.journal.guards import GuardView
 from halfway.journal.records import stamp
+from halfway.journal.shared_fold import shared_folds
 from halfway.models import Model, ModelUnavailable, ProposeCall, ProposeFinish, history_of
 from halfway.models import Usage as ModelUsage
 from halfway.settings import KafkaSettings
@@ -305,7 +306,9 @@ class Decider:
             return
         state = self._state(task_id)
         for event in carry.events:
-            state = apply(state, event)
+            # Shared: the executor's `place` and this process's followers fold it onto the
+            # same state again.
+            state = shared_folds.apply(state, event)
         match self._decide(state):
             case Finish(state=final, summary=summary):
                 await self._write(TaskFinished(**stamp(task_id), state=final, summary=summary),

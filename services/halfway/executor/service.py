@@ -52,7 +52,7 @@ from halfway.contract import (
 from halfway.core.args import parse_args
 from halfway.core.classify import NotSent, Replied, TimedOut, classify
 from halfway.core.effects import Effect, effects_to_work, why_not_send
-from halfway.core.fold import Attempt, Settlement, TaskState, apply
+from halfway.core.fold import Attempt, Settlement, TaskState
 from halfway.core.next_action import (
     Action,
     Call,
@@ -68,6 +68,7 @@ from halfway.failpoints import failpoint
 from halfway.journal import JournalWriter
 from halfway.journal.follower import JournalFollower
 from halfway.journal.records import stamp
+from halfway.journal.shared_fold import shared_folds
 from halfway.journal.steps import MoveFailed, StepWorker
 from halfway.settings import KafkaSettings
 from halfway.tools.registry import Registry, Tool
@@ -180,7 +181,9 @@ class Executor(StepWorker):
         # A task with no event yet is placed only with its start (`before`): the fold says so.
         state = self.follower.states.get(task_id) or TaskState(task_id=task_id)
         for event in (*before, intent):
-            state = apply(state, event)
+            # Shared: the decider folded `before` onto this very state, and this process's
+            # followers fold the same events onto it once they are journaled.
+            state = shared_folds.apply(state, event)
         now = datetime.now(UTC)
         effect = next((e for e in effects_to_work(state, now)
                        if e.step_id == intent.step_id and not e.undo), None)
