@@ -9,9 +9,11 @@ by a stranger, each in a throwaway HALFWAY_HOME on ports nobody uses.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import re
 import socket
+import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -282,9 +284,6 @@ def test_setup_leaves_the_projects_bytecode_compiled() -> None:
     """Processes started from an editable install import compiled modules, even where
     PYTHONDONTWRITEBYTECODE keeps every import from writing them (0.2 s of a service's start
     here otherwise): `infra/dev setup` compiles what is stale."""
-    import importlib.util
-    import subprocess
-
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run(["bash", str(root / "infra/dev"), "setup"], capture_output=True,
                           text=True, timeout=600,
