@@ -458,7 +458,7 @@ class Fleet:
                       f"{datetime.now(UTC).isoformat()}\n".encode())
             log.flush()
             process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "halfway.cli", "run", slot.kind, env=self.env,
+                sys.executable, "-m", "halfway", "run", slot.kind, env=self.env,
                 stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log)
         return Proc(slot.name, process, slot.log_path)
 

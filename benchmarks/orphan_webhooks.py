@@ -86,7 +86,7 @@ async def main(count: int, rounds: int) -> None:
     env = dict(os.environ, HALFWAY_TOPIC_PREFIX=settings.topic_prefix,
                HALFWAY_LOG_LEVEL="ERROR", HALFWAY_KAFKA_BOOTSTRAP=settings.bootstrap)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "halfway.cli", "run", "reconciler", env=env,
+        sys.executable, "-m", "halfway", "run", "reconciler", env=env,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
     group = f"{settings.topic_prefix}reconciler"
     try:

@@ -253,7 +253,7 @@ async def restart(settings: KafkaSettings, service: str, label: str, *,
     log_path = LOG_DIR / f"{service}-{label}.log"
     with log_path.open("wb") as log_file:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "halfway.cli", "run", service, env=env,
+            sys.executable, "-m", "halfway", "run", service, env=env,
             stdout=asyncio.subprocess.DEVNULL, stderr=log_file)
     since = time.monotonic()
     try:

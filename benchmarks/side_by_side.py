@@ -480,7 +480,7 @@ class Halfway(System):
             seen[service] = seen.get(service, 0) + 1
             name = service if seen[service] == 1 else f"{service}-{seen[service]}"
             self.procs.append(await spawn(
-                name, [sys.executable, "-m", "halfway.cli", "run", service,
+                name, [sys.executable, "-m", "halfway", "run", service,
                        "--app", "bench_app:app"], logs, env=env, cwd=HERE))
         self.watcher = FinishWatcher(self.settings)
         await self.watcher.start()

@@ -1,6 +1,6 @@
 """Real processes for integration tests: the payment simulator, deciders and executors.
 
-Every process is a real child (`python -m halfway.cli run decider|executor`,
+Every process is a real child (`python -m halfway run decider|executor`,
 `python -m halfway.simulators.payments`) configured only through the environment, as in a
 deployment, on a topic prefix of its own test. Its stdout and stderr go to a log file; when a
 test fails, the tail of every log is attached to the failure report (this module is also a
@@ -364,7 +364,7 @@ class Cluster:
 
     async def start_gateway(self, **extra_env: str) -> str:
         """`halfway run gateway` on a free port; returns its paysim webhook endpoint."""
-        proc = await self._spawn("gateway", ["-m", "halfway.cli", "run", "gateway"],
+        proc = await self._spawn("gateway", ["-m", "halfway", "run", "gateway"],
                                  self.env(HALFWAY_GATEWAY_PORT="0", **extra_env),
                                  stdout=asyncio.subprocess.PIPE)
         assert proc.process.stdout is not None
@@ -394,7 +394,7 @@ class Cluster:
                     **extra_env: str) -> Proc:
         """`halfway run decider|executor [options]` as its own process, in `cwd`."""
         assert self.sim_url, "start the simulator first"
-        return await self._spawn(service, ["-m", "halfway.cli", "run", service, *options],
+        return await self._spawn(service, ["-m", "halfway", "run", service, *options],
                                  self.env(**extra_env), cwd=cwd)
 
     async def start_listener(self, name: str, args: list[str], cwd: Path | None = None) -> str:

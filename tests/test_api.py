@@ -793,7 +793,7 @@ async def test_the_status_command_says_unknown_the_reference_and_the_next_check(
     # The command an operator types, end to end: `halfway status TASK` on the read model.
     _dsn, schema = read_model
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "halfway.cli", "status", UNKNOWN_TASK,
+        sys.executable, "-m", "halfway", "status", UNKNOWN_TASK,
         env={**os.environ, "HALFWAY_PG_SCHEMA": schema},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 60)

@@ -61,7 +61,7 @@ def charge(invoice: str) -> dict[str, Any]:
 
 
 def proxy_args(*extra: str) -> list[str]:
-    return ["-m", "halfway.cli", "mcp", "serve", "--wait-s", WAIT_S, *extra]
+    return ["-m", "halfway", "mcp", "serve", "--wait-s", WAIT_S, *extra]
 
 
 def assert_unknown_not_error(result: Any, invoice: str) -> None:

@@ -192,7 +192,7 @@ async def test_serve_api_exits_with_the_reason_instead_of_serving_open_data(
         tmp_path: Path) -> None:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("HALFWAY_API_")}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "halfway.cli", "run", "api",
+        sys.executable, "-m", "halfway", "run", "api",
         env={**environ, "HALFWAY_API_HOST": "0.0.0.0", "HALFWAY_API_PORT": "0"},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 60)
@@ -315,7 +315,7 @@ def test_the_command_line_journals_the_os_user_and_refuses_an_empty_by() -> None
                                      ["abort", "t-1", "--reason", "x"]])
 async def test_an_empty_by_is_refused_on_the_command_line(command: list[str]) -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "halfway.cli", *command, "--by", "",
+        sys.executable, "-m", "halfway", *command, "--by", "",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     _, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 2

@@ -68,7 +68,7 @@ async def test_topics_that_disagree_stop_a_service_with_the_reason(
         await ensure_topics(dataclasses.replace(settings, partitions=2))  # the rest, and ACLs
         env = dict(os.environ) | {"HALFWAY_TOPIC_PREFIX": settings.topic_prefix}
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "halfway.cli", "run", "decider", env=env,
+            sys.executable, "-m", "halfway", "run", "decider", env=env,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         async with asyncio.timeout(CLI_WAIT_S):
             _, err = await proc.communicate()

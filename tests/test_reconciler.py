@@ -63,7 +63,7 @@ async def short_keys(kafka_settings: KafkaSettings, tmp_path: Path,
 
 async def halfway_cli(c: Cluster, *args: str) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "halfway.cli", *args, env=c.env(),
+        sys.executable, "-m", "halfway", *args, env=c.env(),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode is not None

@@ -39,7 +39,7 @@ BAD = [
 async def test_a_service_started_with_a_bad_setting_says_which_and_exits_2(
         name: str, value: str, says: str) -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "halfway.cli", "run", "worker",
+        sys.executable, "-m", "halfway", "run", "worker",
         env=dict(os.environ) | {name: value,
                                 "HALFWAY_TOPIC_PREFIX": f"no-topics-{uuid.uuid4().hex[:8]}."},
         stdin=asyncio.subprocess.DEVNULL,

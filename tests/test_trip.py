@@ -360,7 +360,7 @@ async def test_an_aborted_trip_settles_its_step_in_flight_then_undoes_what_was_d
     await c.journal.first(lambda e: getattr(e, "step_id", None) == f"{task_id}:2"
                           and e.type == "step.attempted", "the booking attempted")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "halfway.cli", "abort", task_id, "--reason",
+        sys.executable, "-m", "halfway", "abort", task_id, "--reason",
         "the customer cancelled", "--by", "alice", env=c.env(),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 60)

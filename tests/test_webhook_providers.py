@@ -608,7 +608,7 @@ async def run_gateway(environ: dict[str, str]) -> tuple[int, str]:
     env = base | {"HALFWAY_KAFKA_BOOTSTRAP": "127.0.0.1:9", "HALFWAY_GATEWAY_PORT": "0",
                   "HALFWAY_LOG_FORMAT": "json"} | environ
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "halfway.cli", "run", "gateway", env=env,
+        sys.executable, "-m", "halfway", "run", "gateway", env=env,
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE)
     try:

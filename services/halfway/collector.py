@@ -10,8 +10,10 @@ immutable and hold no cycles), so collecting young objects less often finds the 
 a little later, with a fraction of the walks, and far fewer objects reach the old generation.
 `benchmarks/side_by_side.py` with `--variant` showed it: worker CPU per task 5.37 → 3.76 ms.
 
-The follower's `gc.freeze` after a replay (`journal.follower`) is the other half: what was
-folded before the process went live is never walked again.
+The `halfway` command sets them before it imports its modules (`halfway/__main__.py`), so the
+imports' lasting objects are not walked either; the follower's `gc.freeze` after a replay
+(`journal.follower`) is the other half: what was folded before the process went live is never
+walked again.
 """
 
 from __future__ import annotations
@@ -29,5 +31,6 @@ FULL_EVERY_AT_LEAST = 20
 
 
 def tune() -> None:
-    """Set the thresholds above for this process (a long-running service)."""
+    """Set the thresholds above for this process (the `halfway` command: every long-running
+    service, and the short commands, which end before a young collection is due)."""
     gc.set_threshold(YOUNG_ALLOCATIONS, MIDDLE_EVERY, FULL_EVERY_AT_LEAST)
