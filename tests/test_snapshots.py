@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -177,6 +178,26 @@ async def test_a_damaged_image_is_refused_with_a_reason(damage: Any) -> None:
     assert image is not None
     with pytest.raises(snapshots.UnusableSnapshot):
         snapshots.decode(damage(snapshots.encode(image)))
+
+
+async def test_sealed_digests_out_of_order_are_never_written() -> None:
+    """A read trusts the order of the sealed digests (their bytes match the pointer's sha256);
+    so the writer checks it: an image out of order is logged and not written, and the
+    partition's restart replays instead of looking tasks up in an unsorted array."""
+    f = follower()
+    feed(f, task_records("running", "r", BASE), {JOURNAL_TP: 0, SIDE_TP: 0})
+    image = f.image(0)
+    assert image is not None
+    image.sealed = (4).to_bytes(8, "little") + (2).to_bytes(8, "little")
+    with pytest.raises(ValueError, match="ascending"):
+        snapshots.encode(image)
+
+    warnings: list[str] = []
+    logger = SimpleNamespace(warning=lambda event, **_: warnings.append(event))
+    written = await snapshots.write_and_point(
+        writer=None, group="g", image=image, commit=None, logger=logger)  # type: ignore[arg-type]
+    assert written is False
+    assert warnings == ["snapshot not written"]
 
 
 def format_4(image: snapshots.Image, version: int = 4) -> bytes:

@@ -1044,7 +1044,7 @@ class JournalFollower:
         partitions being adopted; the dormant tasks in `wake` decoded. Yields to the loop every
         RESTORE_BATCH items: the consumer's heartbeat goes on meanwhile."""
         part = parts[tp]
-        self.sealed.restore(tp.partition, image.sealed, checked=True)  # by snaps.decode
+        self.sealed.restore(tp.partition, image.sealed, checked=True)  # by snaps.encode
         for dormant in image.dormant:
             self.dormant[dormant.task_id] = dormant
             self.first_attempt.update(dormant.first_attempts)

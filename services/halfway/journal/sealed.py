@@ -113,7 +113,7 @@ class SealedTasks:
 
     def restore(self, partition: int, packed: bytes, *, checked: bool = False) -> None:
         """The partition's sealed tasks from `packed` (raises ValueError if not such bytes;
-        `checked`: `unpack` has vouched for them already)."""
+        `checked`: their order was checked where they come from, a snapshot's `encode`)."""
         self._sorted[partition] = unpack(packed, check=not checked)
         self._recent.pop(partition, None)
 

@@ -678,7 +678,7 @@ class Projector:
         (in one step at the end: `part` is fresh until then). Yields to the loop every
         RESTORE_BATCH items: the consumer's heartbeat goes on meanwhile."""
         seals = Sealing(part.number, self.seal_after)
-        seals.sealed.restore(part.number, image.sealed, checked=True)  # by snaps.decode
+        seals.sealed.restore(part.number, image.sealed, checked=True)  # by snaps.encode
         for i, (at, task_id) in enumerate(image.ended):
             seals.ended.add(at, task_id)
             if i % RESTORE_BATCH == RESTORE_BATCH - 1:
