@@ -12,6 +12,7 @@ with is refused and the partition replayed.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any
@@ -330,6 +331,42 @@ async def test_a_snapshot_round_trips_through_the_broker_and_a_tampered_one_is_r
     # And one that names another offset than the commit's: refused too.
     await _commit(topics, group, tp, image.journal_next + 1, pointer.metadata())
     assert await snapshots.load(topics, group, [tp]) == {}
+
+
+@pytest.mark.broker
+async def test_a_restart_reads_every_partitions_image_with_one_consumer(
+        topics: KafkaSettings, writer: JournalWriter, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The images of several partitions, an older one of the same partition among them on the
+    topic and one with a forged pointer, read through the one consumer a restart shares: each
+    image comes back as written, the forged one is refused, the others are still read."""
+    f = follower()
+    feed(f, [*task_records("running", "live-1", BASE), *task_records("done", "old-1", BASE),
+             *task_records("done", "new-1", BASE + 3 * DAY)], {JOURNAL_TP: 0, SIDE_TP: 0})
+    base = f.image(0)
+    assert base is not None
+    group = "snap-test-shared"
+    tps = [TopicPartition(JOURNAL.name(topics.topic_prefix), n) for n in range(4)]
+    written: dict[int, snapshots.Image] = {}
+    for n in (0, 1, 1, 2, 3):  # partition 1's first image is superseded by its second
+        image = replace(base, partition=n, journal_next=base.journal_next + 10 * n + len(written))
+        pointer = await snapshots.write(writer, group, image, snapshots.encode(image))
+        if n == 2:
+            pointer = replace(pointer, sha256="0" * 64)
+        await _commit(topics, group, tps[n], image.journal_next, pointer.metadata())
+        written[n] = image
+    made: list[object] = []
+    real_reader = snapshots.reader
+    monkeypatch.setattr(snapshots, "reader", lambda s: made.append(s) or real_reader(s))
+
+    images = await snapshots.load(topics, group, tps)
+
+    assert len(made) == 1
+    assert sorted(images) == [0, 1, 3]
+    for n, image in images.items():
+        assert (image.partition, image.journal_next) == (n, written[n].journal_next)
+        assert image.events == base.events
+        assert image.sealed == base.sealed
+        assert [d.task_id for d in image.dormant] == ["new-1"]
 
 
 @pytest.mark.broker
