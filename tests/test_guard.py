@@ -109,8 +109,10 @@ def test_held_by_lists_a_tasks_live_claims() -> None:
     a = claim("a:1")
     book.apply(a)
     assert list(book.held_by("a")) == ["a:1"]
+    assert set(book.holders()) == {"a"}
     book.apply(release(a, Release.ABANDONED))
     assert book.held_by("a") == {}
+    assert set(book.holders()) == set()
 
 
 def test_guard_moves_follow_the_tasks_journal() -> None:

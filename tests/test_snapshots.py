@@ -201,6 +201,37 @@ async def test_sealed_digests_out_of_order_are_never_written() -> None:
     assert warnings == ["snapshot not written"]
 
 
+async def test_a_partition_caught_up_looks_at_its_live_tasks_and_the_dormant_ones_named() -> None:
+    """As a partition catches up, its live tasks are looked at, its sealed ones never, and of
+    its dormant ones only those the service names (asked once, with the set of them: there
+    may be thousands)."""
+    asked: list[set[str]] = []
+
+    def wake(dormant: Any) -> list[str]:
+        asked.append(set(dormant))
+        return ["new-1", "elsewhere"]  # a task not dormant here is not woken by it
+
+    before = follower()
+    feed(before, [*task_records("running", "live-1", BASE + 3 * DAY),
+                  *task_records("done", "old-1", BASE),
+                  *task_records("done", "new-1", BASE + 2 * DAY),
+                  *task_records("done", "new-2", BASE + 2 * DAY),
+                  *task_records("running", "live-2", BASE + 3 * DAY)], {JOURNAL_TP: 0, SIDE_TP: 0})
+    image = before.image(0)
+    assert image is not None
+    f = unstarted(SETTINGS, "snap.decider", [JOURNAL_TP, SIDE_TP], side=TASKS,
+                  seal_after_s=DAY.total_seconds(), snapshots=True, wake_on_catch_up=wake)
+    await f._restore(JOURNAL_TP, snapshots.decode(snapshots.encode(image)), f._partitions)
+    assert f.dormant.keys() == {"new-1", "new-2"}
+    assert "old-1" in f.sealed
+
+    assert f._open({"live-1", "live-2", "old-1", "new-1", "new-2"}) == {
+        "live-1", "live-2", "new-1"}
+    assert asked == [{"new-1", "new-2"}]
+    assert f._open({"live-1"}) == {"live-1"}
+    assert len(asked) == 1  # no dormant task among them: nothing asked
+
+
 def format_4(image: snapshots.Image, version: int = 4) -> bytes:
     """The image as the build before this one wrote it (the dormant and ended tasks' index
     as JSON lists in the header)."""

@@ -38,7 +38,7 @@ can hold the subject while a step on the claim could still be accepted.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, KeysView, Mapping
 from dataclasses import dataclass
 
 from halfway.contract import Outcome, StepIntended, parse_step_id
@@ -128,6 +128,10 @@ class GuardBook:
     def held_by(self, task_id: str) -> Mapping[str, SubjectClaimed]:
         """The claims steps of `task_id` hold now, by step id."""
         return dict(self._held.get(task_id, {}))
+
+    def holders(self) -> KeysView[str]:
+        """The tasks whose steps hold claims now."""
+        return self._held.keys()
 
 
 @dataclass(frozen=True, slots=True)

@@ -165,8 +165,7 @@ class Decider:
                                         gather_ms=gather_ms, side_at_once=True,
                                         on_revoke=self._forget_revoked,
                                         # a task over that still holds a claim has a move left
-                                        wake_on_catch_up=lambda t: bool(
-                                            self.guards.book.held_by(t)))
+                                        wake_on_catch_up=lambda _: self.guards.book.holders())
         self.follower.on_give_up = self._give_up
         self.guards = GuardView(settings, writer, on_record=self._on_guard_record)
         # Questions asked or waiting for a slot (None: queued in `_queued`), by (task, step).

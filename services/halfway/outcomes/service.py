@@ -61,7 +61,7 @@ import contextlib
 import hashlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,11 +188,12 @@ class OutcomesPublisher:
         if len(self._owed) <= OWED_MAX // 2:
             self._owed_room.set()
 
-    def _owes(self, task_id: str) -> bool:
-        """A task the follower made dormant while its partition caught up (over for a minute
-        by the journal's clock) is reported then only if it has messages to send."""
-        task = self._tasks.get(task_id)
-        return task is not None and bool(task.pending)
+    def _owes(self, dormant: Set[str]) -> list[str]:
+        """Of a partition's tasks the follower made dormant (over for a minute by the
+        journal's clock), those with messages to send: looked at as the partition catches
+        up."""
+        tasks = self._tasks
+        return [t for t in dormant if (task := tasks.get(t)) is not None and task.pending]
 
     def _observe(self, before: TaskState | None, after: TaskState, partition: int,
                  offset: int) -> None:
