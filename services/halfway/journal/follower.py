@@ -1051,10 +1051,11 @@ class JournalFollower:
         RESTORE_BATCH items: the consumer's heartbeat goes on meanwhile."""
         part = parts[tp]
         self.sealed.restore(tp.partition, image.sealed, checked=True)  # by snaps.encode
-        for dormant in image.dormant:
-            self.dormant[dormant.task_id] = dormant
-            self.first_attempt.update(dormant.first_attempts)
-            part.tasks.add(dormant.task_id)
+        ids = [dormant.task_id for dormant in image.dormant]  # (thousands: no call for each)
+        self.dormant.update(zip(ids, image.dormant, strict=True))
+        part.tasks.update(ids)
+        self.first_attempt.update(pair for dormant in image.dormant
+                                  for pair in dormant.first_attempts)
         await asyncio.sleep(0)
         for i, (offset, event) in enumerate(image.events):
             self._fold(event, offset, tp.partition)

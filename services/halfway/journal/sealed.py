@@ -149,10 +149,10 @@ class EndedTasks:
     after it ended ends again later; only its newest end counts."""
 
     def __init__(self, entries: Iterable[tuple[datetime, str]] = ()) -> None:
-        self._queue: deque[tuple[datetime, str]] = deque()
-        self._last: dict[str, datetime] = {}  # task id -> `at` of its newest end
-        for at, task_id in entries:
-            self.add(at, task_id)
+        # As `add` for each entry, in order (a restore brings thousands).
+        self._queue: deque[tuple[datetime, str]] = deque(entries)
+        self._last: dict[str, datetime] = {  # task id -> `at` of its newest end
+            task_id: at for at, task_id in self._queue}
 
     def add(self, at: datetime, task_id: str) -> None:
         self._queue.append((at, task_id))
