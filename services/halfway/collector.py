@@ -10,10 +10,10 @@ immutable and hold no cycles), so collecting young objects less often finds the 
 a little later, with a fraction of the walks, and far fewer objects reach the old generation.
 `benchmarks/side_by_side.py` with `--variant` showed it: worker CPU per task 5.37 → 3.76 ms.
 
-The `halfway` command sets them before it imports its modules (`halfway/__main__.py`), so the
-imports' lasting objects are not walked either; the follower's `gc.freeze` after a replay
-(`journal.follower`) is the other half: what was folded before the process went live is never
-walked again.
+The `halfway` command sets them before it imports its modules and freezes what they built
+(`halfway/__main__.py`), so the imports' lasting objects are never walked; the follower's
+`gc.freeze` after a replay (`journal.follower`) is the other half: what was folded before the
+process went live is never walked again.
 """
 
 from __future__ import annotations
