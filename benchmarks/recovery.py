@@ -13,8 +13,10 @@ running until it wrote a snapshot of every partition; then again, restoring the 
 figures: seconds from process start to that first action, and the decider's RSS then; and how
 often the deciders lost partitions while they ran ("partitions revoked": a replay that starved
 its heartbeat would lose them and start over); and of how many partitions the second start
-read a snapshot ("restored"; the others, if any, were replayed from zero). Figures only;
-nothing passes or fails.
+read a snapshot ("restored"; the others, if any, were replayed from zero), and when the last of
+them was restored ("all restored", seconds from process start: the first action waits only for
+the live task's partition, so it varies with the order the images are read in; this does not).
+Figures only; nothing passes or fails.
 
 `--service outcomes`: the same for the outcomes publisher (`halfway run outcomes`), whose first
 action is the first message on the outcomes topic for a live task started after the history.
@@ -235,7 +237,7 @@ async def quiet(settings: KafkaSettings) -> None:
 
 async def restart(settings: KafkaSettings, service: str, label: str, *,
                   until_snapshots: int = 0, snapshots: bool = True,
-                  ) -> tuple[float, float, Path]:
+                  ) -> tuple[float, float, Path, float]:
     """Start the service, time its first action on a fresh live task, and its RSS then; with
     `until_snapshots`, keep it running until it wrote snapshots of that many partitions. The
     outcomes publisher is stopped only once it told everything: the next start times a
@@ -255,7 +257,7 @@ async def restart(settings: KafkaSettings, service: str, label: str, *,
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "halfway", "run", service, env=env,
             stdout=asyncio.subprocess.DEVNULL, stderr=log_file)
-    since = time.monotonic()
+    since, spawned_at = time.monotonic(), time.time()  # (log lines carry the wall clock)
     try:
         seconds = await watcher - since
         rss = rss_mib(proc.pid)
@@ -267,7 +269,7 @@ async def restart(settings: KafkaSettings, service: str, label: str, *,
     finally:
         proc.terminate()
         await proc.wait()
-    return seconds, rss, log_path
+    return seconds, rss, log_path, spawned_at
 
 
 async def one(base: KafkaSettings, service: str, events: int, *, prefix: str | None = None,
@@ -287,29 +289,32 @@ async def one(base: KafkaSettings, service: str, events: int, *, prefix: str | N
         if (prefix is None or first) and service == "outcomes":
             # The first start tells the whole history (and snapshots every partition); then
             # a restart from zero, which writes no snapshot.
-            r["first_s"], _, first_log = await restart(
+            r["first_s"], _, first_log, _ = await restart(
                 settings, service, f"{events}-first", until_snapshots=JOURNAL.partitions)
             logs = [first_log]
             if cold:
-                r["cold_s"], r["cold_rss"], cold_log = await restart(
+                r["cold_s"], r["cold_rss"], cold_log, _ = await restart(
                     settings, service, f"{events}-cold", snapshots=False)
                 logs.append(cold_log)
             r["revoked"] = sum(len(logged(path, "partitions revoked")) for path in logs)
         elif prefix is None or first:
             # Cold: no snapshot (or only unusable ones: replayed), the journal from zero; it
             # snapshots every partition.
-            r["cold_s"], r["cold_rss"], cold_log = await restart(
+            r["cold_s"], r["cold_rss"], cold_log, _ = await restart(
                 settings, service, f"{events}-cold", until_snapshots=JOURNAL.partitions)
             r["revoked"] = len(logged(cold_log, "partitions revoked"))
         # Warm: the snapshots and the journal after them (a probe request or two).
         # Kept running until every partition is restored (or replayed and snapshotted
         # again): `restored` counts them all, not only those read before the first action.
-        r["warm_s"], r["warm_rss"], log_path = await restart(
+        r["warm_s"], r["warm_rss"], log_path, spawned_at = await restart(
             settings, service, f"{events}-warm", until_snapshots=JOURNAL.partitions)
         r["revoked"] += len(logged(log_path, "partitions revoked"))
         restored = logged(log_path, "snapshot read")
         r["restored"] = len(restored)
         r["read_s"] = max((e.get("seconds", 0.0) for e in restored), default=0.0)
+        r["all_restored_s"] = max(
+            (datetime.fromisoformat(e["timestamp"]).timestamp() - spawned_at
+             for e in logged(log_path, "partition restored")), default=float("nan"))
         return r
     finally:
         if keep or prefix is not None:  # a history reused stays, whatever happened
@@ -342,14 +347,16 @@ async def main() -> None:
     base = KafkaSettings.from_env()
     print(f"{args.service}: restart → first action")
     print(f"{'journal events':>15} {'cold: first action':>19} {'RSS':>8}"
-          f" {'from snapshot: first action':>28} {'RSS':>8} {'restored':>9} {'revoked':>8}"
+          f" {'from snapshot: first action':>28} {'RSS':>8} {'restored':>9}"
+          f" {'all restored':>13} {'revoked':>8}"
           f" {'(fill)':>8} {'(first start)':>14}")
     for events in (int(n) for n in args.events.split(",")):
         r = await one(base, args.service, events, prefix=args.prefix, keep=args.keep,
                       first=args.first, cold=not args.no_cold)
         print(f"{events:>15,} {r['cold_s']:>17.2f} s {r['cold_rss']:>4.0f} MiB"
               f" {r['warm_s']:>26.2f} s {r['warm_rss']:>4.0f} MiB"
-              f" {r['restored']:>5.0f}/{JOURNAL.partitions} {r['revoked']:>8.0f}"
+              f" {r['restored']:>5.0f}/{JOURNAL.partitions} {r['all_restored_s']:>11.2f} s"
+              f" {r['revoked']:>8.0f}"
               f" {r['fill_s']:>7.1f}s {r['first_s']:>13.1f}s", flush=True)
 
 

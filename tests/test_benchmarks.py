@@ -38,6 +38,8 @@ async def test_recovery_restarts_from_snapshots_without_losing_partitions(
     assert math.isfinite(r["cold_s"]), r
     assert math.isfinite(r["warm_s"]), r
     assert r["restored"] == recovery.JOURNAL.partitions, r  # every one from its snapshot
+    # The last restored after the start and before the first start's bound (log clock: wall).
+    assert 0 < r["all_restored_s"] < recovery.WAIT_S, r
     assert r["revoked"] == 0, r
     writer = "first" if service == "outcomes" else "cold"  # the start that wrote snapshots
     written = (tmp_path / f"{service}-1200-{writer}.log").read_text()
