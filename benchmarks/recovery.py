@@ -237,17 +237,17 @@ async def quiet(settings: KafkaSettings) -> None:
 
 async def restart(settings: KafkaSettings, service: str, label: str, *,
                   until_snapshots: int = 0, snapshots: bool = True,
-                  ) -> tuple[float, float, Path, float]:
+                  snapshot_soon: bool = False) -> tuple[float, float, Path, float]:
     """Start the service, time its first action on a fresh live task, and its RSS then; with
-    `until_snapshots`, keep it running until it wrote snapshots of that many partitions. The
-    outcomes publisher is stopped only once it told everything: the next start times a
-    restart, not what this one left to send."""
+    `until_snapshots`, keep it running until it restored or wrote snapshots of that many
+    partitions (`snapshot_soon`: it writes one as soon as a partition caught up, not five
+    minutes after, as deployed). The outcomes publisher is stopped only once it told
+    everything: the next start times a restart, not what this one left to send."""
     env = dict(os.environ) | {"HALFWAY_TOPIC_PREFIX": settings.topic_prefix,
                               "HALFWAY_LOG_FORMAT": "json",
-                              # Snapshot as soon as a partition caught up (a benchmark has
-                              # no five minutes to wait at the small sizes).
-                              "HALFWAY_SNAPSHOT_EVERY_S": "1",
                               "HALFWAY_SNAPSHOTS": "on" if snapshots else "off"}
+    if snapshot_soon:  # a benchmark has no five minutes to wait at the small sizes
+        env["HALFWAY_SNAPSHOT_EVERY_S"] = "1"
     probe = await request_probe(settings, service)  # nobody acts on it before the start
     ready = asyncio.Event()
     watcher = asyncio.create_task(first_action(settings, service, probe, ready))
@@ -290,7 +290,8 @@ async def one(base: KafkaSettings, service: str, events: int, *, prefix: str | N
             # The first start tells the whole history (and snapshots every partition); then
             # a restart from zero, which writes no snapshot.
             r["first_s"], _, first_log, _ = await restart(
-                settings, service, f"{events}-first", until_snapshots=JOURNAL.partitions)
+                settings, service, f"{events}-first", until_snapshots=JOURNAL.partitions,
+                snapshot_soon=True)
             logs = [first_log]
             if cold:
                 r["cold_s"], r["cold_rss"], cold_log, _ = await restart(
@@ -301,11 +302,13 @@ async def one(base: KafkaSettings, service: str, events: int, *, prefix: str | N
             # Cold: no snapshot (or only unusable ones: replayed), the journal from zero; it
             # snapshots every partition.
             r["cold_s"], r["cold_rss"], cold_log, _ = await restart(
-                settings, service, f"{events}-cold", until_snapshots=JOURNAL.partitions)
+                settings, service, f"{events}-cold", until_snapshots=JOURNAL.partitions,
+                snapshot_soon=True)
             r["revoked"] = len(logged(cold_log, "partitions revoked"))
-        # Warm: the snapshots and the journal after them (a probe request or two).
-        # Kept running until every partition is restored (or replayed and snapshotted
-        # again): `restored` counts them all, not only those read before the first action.
+        # Warm: the snapshots and the journal after them (a probe request or two), snapshot
+        # settings as deployed (no image written while the others are read). Kept running
+        # until every partition is restored (or replayed and snapshotted again, five minutes
+        # on): `restored` counts them all, not only those read before the first action.
         r["warm_s"], r["warm_rss"], log_path, spawned_at = await restart(
             settings, service, f"{events}-warm", until_snapshots=JOURNAL.partitions)
         r["revoked"] += len(logged(log_path, "partitions revoked"))
