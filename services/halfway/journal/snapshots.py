@@ -295,8 +295,8 @@ def _unframed(body: bytes, count: int) -> list[bytes]:
 def decode(blob: bytes) -> Image:
     """The image's open tasks and requests are validated; dormant tasks' payloads are only cut
     out (their events are validated if and when they are decoded); the sealed digests' order
-    was checked by `encode`. Reads this build's format
-    and the one before it (`Image.format` says which: an older one is rewritten soon)."""
+    was checked by `encode`. Reads this build's format and the one before it (`Image.format`
+    says which: an older one is rewritten soon)."""
     if not blob.startswith(MAGIC):
         raise UnusableSnapshot("not a snapshot (no magic)")
     try:
