@@ -199,6 +199,9 @@ async def test_a_reply_slower_than_the_timeout_is_timed_out_and_the_hold_lands(
         sim: httpx.AsyncClient, adapter: TravelAdapter, key: str) -> None:
     await _faults(sim, {"match": {"endpoint": "flights.hold", "nth": 1},
                         "action": {"delay_s": 2.0}})
+    # The adapter's client made and a connection pooled first (a lookup is not a write): the
+    # 0.5 s below is the reply's, not a connect's on a loaded machine (that is NotSent).
+    assert isinstance(await adapter.lookup(HOLD, _ctx(key)), NotFound)
 
     result = await adapter.call(HOLD, _ctx(key, timeout_s=0.5))
     assert result == TimedOut(0.5)
