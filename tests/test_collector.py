@@ -41,7 +41,6 @@ def test_run_tunes_the_collector_before_the_service_starts(
     assert thresholds == [TUNED]
 
 
-
 # Runs the installed `halfway` script's entry (or `python -m halfway`) in a fresh interpreter
 # and prints the collector's thresholds at the moment `halfway.cli` starts being imported.
 _SPY = """
