@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import json
 import uuid
@@ -547,6 +548,45 @@ async def test_a_wake_ends_a_quiet_fetch_and_loses_no_record(
         async with asyncio.timeout(WAIT_S):
             while not any(d.event == request for d in got):
                 got += await consumer.batch(1000, wake=make_wake())
+
+
+@broker
+async def test_a_wake_ends_a_quiet_fetch_in_a_loop_left_with_a_cancellation_count(
+        topics: KafkaSettings, writer: JournalWriter) -> None:
+    """On Python 3.11 and 3.12 a TaskGroup whose children fail while it waits for them leaves
+    its task's `cancelling()` at 1 (cpython#116720). A follower's loop caught such an error
+    from a service and went on; the next fetch ended by a wake then took the fetch it cancelled
+    for its own cancellation and ended the loop: the service ran on, reading nothing."""
+    async def fail() -> None:
+        await asyncio.sleep(0)
+        raise ValueError("a send refused")
+
+    async def loop(consumer: EventConsumer) -> list[Delivery]:
+        try:
+            async with asyncio.TaskGroup() as group:  # what the outcomes publisher did
+                group.create_task(fail())
+                group.create_task(fail())
+        except ExceptionGroup:
+            pass  # logged, and the loop goes on
+        this = asyncio.current_task()
+        assert this is not None
+        if not this.cancelling():  # a Python without the bug: the same state, made by hand
+            this.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(0)
+        assert this.cancelling() == 1
+        wake = Wake()
+        asyncio.get_running_loop().call_later(0.05, wake.set)
+        return await consumer.batch(600_000, wake=wake)
+
+    async with EventConsumer(topics, topics=(TASKS,), group=group(), writer=writer) as consumer:
+        async with asyncio.timeout(WAIT_S):  # joined, and past what earlier tests wrote
+            while await consumer.batch(500) or not consumer.kafka.assignment():
+                pass
+        async with asyncio.timeout(WAIT_S):
+            got = await asyncio.create_task(loop(consumer))
+        assert got == []
+        assert consumer.woken
 
 
 async def test_the_end_of_a_partition_no_longer_assigned_is_unknown_not_an_error() -> None:

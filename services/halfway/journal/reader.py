@@ -266,18 +266,18 @@ class EventConsumer:
             wake.clear()
         out: dict[TopicPartition, list[ConsumerRecord]] = {}
         self.woken = True
-        for getter in getters:
-            # Safe: aiokafka drains its buffer and returns without awaiting in between, so a
-            # cancelled getmany was only waiting and took no record with it.
+        # Safe: aiokafka drains its buffer and returns without awaiting in between, so a
+        # getmany not done was only waiting and takes no record with it. Not awaited: telling
+        # its CancelledError from our own would need this task's `cancelling()`, which a
+        # TaskGroup whose child failed during its exit leaves at 1 on Python 3.11 and 3.12
+        # (cpython#116720): every woken fetch would then end the loop as if it were stopped.
+        waiting = [getter for getter in getters if not getter.done()]
+        for getter in waiting:
             getter.cancel()
-            try:
-                out.update(await getter)
-            except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():
-                    raise  # this batch itself is cancelled (the service stops)
-                continue
-            self.woken = False  # a fetch came back: positions may have moved
+        for getter in getters:
+            if getter not in waiting:
+                out.update(getter.result())  # a fetch error is raised here, as by getmany
+                self.woken = False  # a fetch came back: positions may have moved
         return out
 
     async def _accept(self, record: ConsumerRecord) -> Delivery | None:
