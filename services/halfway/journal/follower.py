@@ -417,9 +417,9 @@ class JournalFollower:
         self._dirty.add(task_id)
         self._wake.set()
 
-    async def for_each(self, task_ids: Iterable[str],
-                       act: Callable[[str], Awaitable[None]]) -> None:
-        """`act` on each task, up to ACTS_AT_ONCE_MAX at once (one task's act never waits on
+    async def for_each(self, task_ids: Iterable[str], act: Callable[[str], Awaitable[None]],
+                       at_once: int = ACTS_AT_ONCE_MAX) -> None:
+        """`act` on each task, up to `at_once` at a time (one task's act never waits on
         another's journal write); a task whose act raises is logged and tried again later
         (bounded backoff), and never stops the others."""
         async def one(task_id: str) -> None:
@@ -443,8 +443,8 @@ class JournalFollower:
         if len(ids) == 1:
             await one(ids[0])  # the common case when tasks come one by one: no task of its own
             return
-        for start in range(0, len(ids), ACTS_AT_ONCE_MAX):
-            await asyncio.gather(*(one(t) for t in ids[start:start + ACTS_AT_ONCE_MAX]))
+        for start in range(0, len(ids), at_once):
+            await asyncio.gather(*(one(t) for t in ids[start:start + at_once]))
 
     async def applied(self, partition: int, offset: int, timeout_s: float) -> bool:
         """Wait until the journal partition's record at `offset` is folded here. A partition

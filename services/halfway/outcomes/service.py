@@ -88,6 +88,9 @@ FETCH_TIMEOUT_MS = 500
 READ_FETCH_WAIT_MS = 20
 IDLE_TIMEOUT_S = 30.0  # no progress for this long while behind the end: the broker is gone
 LOGGED_REASON_CHARS_MAX = 500
+# Changed tasks whose messages are sent at once (a catch-up reports a partition's every live
+# task): as many sends in flight as the owed ones'.
+SENDING_AT_ONCE_MAX = 512
 # Sealed tasks whose owed messages are sent at once (a replay may seal many that owe some):
 # many sends in flight make the producer's batches large.
 OWED_AT_ONCE_MAX = 512
@@ -350,12 +353,14 @@ class OutcomesPublisher:
     async def _on_change(self, task_ids: set[str]) -> None:
         # Tasks in parallel, each task's messages one after another: a message is sent only
         # once the one before it is on the broker, so the topic never has a gap in a subject's
-        # numbering that a later message skips over.
-        async with asyncio.TaskGroup() as group:
-            for task_id in task_ids:
-                task = self._tasks.get(task_id)
-                if task is not None:
-                    group.create_task(self._publish(task_id, task))
+        # numbering that a later message skips over. A task whose send fails is tried again
+        # later (backing off) and never stops the others'.
+        await self.follower.for_each(task_ids, self._publish_held, at_once=SENDING_AT_ONCE_MAX)
+
+    async def _publish_held(self, task_id: str) -> None:
+        task = self._tasks.get(task_id)
+        if task is not None:
+            await self._publish(task_id, task)
 
     async def _send_owed(self) -> None:
         """Send what sealed tasks still owe (the follower reports them no more); what fails is
