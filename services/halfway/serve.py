@@ -87,15 +87,19 @@ async def run_service(name: Service, settings: KafkaSettings, registry: Registry
     async with JournalWriter(settings, batch_bytes=batch_bytes) as writer:
         match name:
             case Service.DECIDER:
-                await Decider(settings, registry, model or ScriptedModel(), writer,
-                              instructions=instructions, app_label=label).run()
+                service: Decider | Executor | Reconciler | OutcomesPublisher = Decider(
+                    settings, registry, model or ScriptedModel(), writer,
+                    instructions=instructions, app_label=label)
             case Service.EXECUTOR:
-                await Executor(settings, registry, writer, app_label=label).run()
+                service = Executor(settings, registry, writer, app_label=label)
             case Service.RECONCILER:
-                await Reconciler(settings, registry, writer,
-                                 lookups=env.reconciler_lookups(), app_label=label).run()
+                service = Reconciler(settings, registry, writer,
+                                     lookups=env.reconciler_lookups(), app_label=label)
             case Service.OUTCOMES:
-                await OutcomesPublisher(settings, writer).run()
+                service = OutcomesPublisher(settings, writer)
+        # In a task of its own: a cancellation that is not ours ends the process with an
+        # error (LoopEnded), not as a stop that was asked for.
+        await run_until_cancelled(service.run())
 
 
 def stop_on_signals() -> None:

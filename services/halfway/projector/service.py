@@ -73,7 +73,12 @@ from halfway.core.fold import TaskState, TaskStatus, apply
 from halfway.journal import snapshots as snaps
 from halfway.journal.admin import cluster_id, ensure_topics_once_up, topic_partitions
 from halfway.journal.deadletters import DeadLetters
-from halfway.journal.follower import DORMANT_AFTER_S, RESTORE_BATCH, settled_for_good
+from halfway.journal.follower import (
+    DORMANT_AFTER_S,
+    RESTORE_BATCH,
+    run_until_cancelled,
+    settled_for_good,
+)
 from halfway.journal.limits import fetch_limits
 from halfway.journal.reader import known_end
 from halfway.journal.records import InvalidRecord, decode
@@ -789,6 +794,6 @@ async def serve() -> None:
     projector = Projector(settings, env.pg_dsn(), schema=env.pg_schema(),
                           seal_after_s=env.seal_after_s())
     try:
-        await projector.run()
+        await run_until_cancelled(projector.run())  # a cancellation not ours: LoopEnded
     except asyncio.CancelledError:
         log.get("halfway.projector").info("projector stopped", batches=projector.batches)
