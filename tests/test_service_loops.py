@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from halfway.journal.follower import LoopEnded, run_until_cancelled
+from halfway.loops import LoopEnded, run_until_cancelled
 
 WAIT_S = 10.0
 

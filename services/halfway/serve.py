@@ -62,8 +62,8 @@ async def run_service(name: Service, settings: KafkaSettings, registry: Registry
     from halfway import settings as env
     from halfway.decider.service import Decider
     from halfway.executor.service import Executor
-    from halfway.journal.follower import run_until_cancelled
     from halfway.journal.writer import DEFAULT_BATCH_BYTES
+    from halfway.loops import run_until_cancelled
     from halfway.outcomes.service import WRITER_BATCH_BYTES, OutcomesPublisher
     from halfway.reconciler.service import Reconciler
 

@@ -92,10 +92,11 @@ from halfway.core.fold import TaskState, apply
 from halfway.core.guard import Blocked, Release, Withdraw, guard_moves
 from halfway.failpoints import failpoint
 from halfway.journal import JournalWriter
-from halfway.journal.follower import JournalFollower, run_until_cancelled
+from halfway.journal.follower import JournalFollower
 from halfway.journal.guards import GuardView
 from halfway.journal.records import stamp
 from halfway.journal.shared_fold import shared_folds
+from halfway.loops import run_until_cancelled
 from halfway.models import Model, ModelUnavailable, ProposeCall, ProposeFinish, history_of
 from halfway.models import Usage as ModelUsage
 from halfway.settings import KafkaSettings

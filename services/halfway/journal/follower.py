@@ -1150,34 +1150,6 @@ class JournalFollower:
             self.snapshot_written_s = time.monotonic()
 
 
-class LoopEnded(RuntimeError):
-    """A service's loop ended by itself: it returned, or was cancelled by someone other than
-    the service's caller. Loops run until the service is stopped, so it stops loudly."""
-
-
-async def run_until_cancelled(*coros: Awaitable[None]) -> None:
-    """Run a service's loops together until cancelled; the first to end stops them all. One
-    that fails raises its error; one that returns or is cancelled from elsewhere raises
-    LoopEnded. (A TaskGroup takes a child's cancellation for a normal end: the service would
-    keep running without that loop, its partitions read by nobody.)"""
-    tasks = [asyncio.ensure_future(coro) for coro in coros]
-    try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.wait(tasks)  # each loop's own cleanup has run when this returns
-    ends = {t: None if t.cancelled() else t.exception() for t in tasks}  # each one retrieved
-    errors = [ends[t] for t in done if ends[t] is not None]
-    if errors:
-        raise errors[0]
-    ended = next(iter(done))
-    name = getattr(ended.get_coro() if isinstance(ended, asyncio.Task) else ended,
-                   "__qualname__", repr(ended))
-    how = "was cancelled" if ended.cancelled() else "returned"
-    raise LoopEnded(f"{name} {how} while the service ran")
-
-
 def settled_for_good(state: TaskState) -> bool:
     """Over, and nothing about it is open: every step and every undo settled, nobody needs to
     look. Such a task can be sealed."""

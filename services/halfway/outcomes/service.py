@@ -76,9 +76,10 @@ from halfway.contract.topics import JOURNAL, OUTCOMES
 from halfway.core.fold import TaskState
 from halfway.journal import JournalWriter
 from halfway.journal.admin import topic_partitions
-from halfway.journal.follower import JournalFollower, run_until_cancelled
+from halfway.journal.follower import JournalFollower
 from halfway.journal.limits import fetch_limits
 from halfway.journal.records import describe
+from halfway.loops import run_until_cancelled
 from halfway.outcomes.derive import Sequencer, changes
 from halfway.settings import KafkaSettings
 

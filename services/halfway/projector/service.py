@@ -73,17 +73,13 @@ from halfway.core.fold import TaskState, TaskStatus, apply
 from halfway.journal import snapshots as snaps
 from halfway.journal.admin import cluster_id, ensure_topics_once_up, topic_partitions
 from halfway.journal.deadletters import DeadLetters
-from halfway.journal.follower import (
-    DORMANT_AFTER_S,
-    RESTORE_BATCH,
-    run_until_cancelled,
-    settled_for_good,
-)
+from halfway.journal.follower import DORMANT_AFTER_S, RESTORE_BATCH, settled_for_good
 from halfway.journal.limits import fetch_limits
 from halfway.journal.reader import known_end
 from halfway.journal.records import InvalidRecord, decode
 from halfway.journal.sealed import EndedTasks, SealedTasks
 from halfway.journal.writer import JournalWriter
+from halfway.loops import run_until_cancelled
 from halfway.projector import store
 from halfway.settings import KafkaSettings
 
