@@ -1,15 +1,23 @@
 """A service's loops run together until the service is stopped (`run_until_cancelled`): one
-that ends by itself stops the service loudly, never leaves it running without that loop."""
+that ends by itself stops the service loudly, never leaves it running without that loop; and a
+fold's loop that is stuck stops its service too (`JournalFollower._watch`)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
-from halfway.loops import LoopEnded, run_until_cancelled
+from halfway.journal import JournalWriter
+from halfway.journal import follower as follower_module
+from halfway.journal.follower import JournalFollower
+from halfway.loops import LoopEnded, LoopStalled, run_until_cancelled
+from halfway.settings import KafkaSettings
+from tests.followers import unstarted
 
 WAIT_S = 10.0
+SETTINGS = KafkaSettings(bootstrap="127.0.0.1:1", topic_prefix="loops.", replication_factor=1)
 
 
 class Loops:
@@ -88,3 +96,55 @@ async def test_stopping_the_service_stops_every_loop_and_is_a_cancellation() -> 
             await service
     assert service.cancelled()
     assert loops.cleaned == {"fold", "sender"}
+
+
+# --- a fold's loop that is stuck stops its service -----------------------------------------------
+
+
+@pytest.fixture
+def short_stall(monkeypatch: pytest.MonkeyPatch) -> float:
+    monkeypatch.setattr(follower_module, "LOOP_WATCH_TICK_S", 0.05)
+    monkeypatch.setattr(follower_module, "LOOP_STALL_S", 0.5)
+    return 0.5
+
+
+@pytest.mark.broker
+async def test_a_fold_whose_loop_is_stuck_stops_its_service(
+        own_deployment: KafkaSettings, short_stall: float) -> None:
+    """Its consumer would go on heartbeating and keep the partitions: aiokafka's own check of
+    the poll interval never fires for a consumer whose fetches a wake cancels."""
+    stuck = asyncio.Event()
+
+    async def hold() -> None:  # the loop's first await, and it never returns
+        stuck.set()
+        await asyncio.Event().wait()
+
+    async with JournalWriter(own_deployment) as writer:
+        follower = JournalFollower(own_deployment, group=f"{own_deployment.topic_prefix}stall",
+                                   writer=writer, on_change=nothing, hold=hold)
+        await follower.start()
+        try:
+            async with asyncio.timeout(WAIT_S):
+                with pytest.raises(LoopStalled, match=f"not turned for {short_stall:g} s"):
+                    await follower.run()
+            assert stuck.is_set()
+        finally:
+            await follower.stop()
+
+
+async def test_a_pause_longer_than_the_limit_is_not_a_stuck_loop(short_stall: float) -> None:
+    """A process stopped (SIGSTOP) or a VM stalled wakes up with its clock far ahead: the watch
+    counts its own ticks, not the time, so a pause is not taken for a loop that is stuck."""
+    f = unstarted(SETTINGS, "pause", [])
+    watch = asyncio.create_task(f._watch())
+    await asyncio.sleep(0.1)  # two ticks of ten
+    time.sleep(2 * short_stall)  # noqa: ASYNC251 -- the whole process paused, the watch too
+    await asyncio.sleep(0.1)  # the late tick and two more: five of ten
+    assert not watch.done()
+    watch.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await watch
+
+
+async def nothing(_tasks: set[str]) -> None:
+    return None

@@ -11,6 +11,11 @@ class LoopEnded(RuntimeError):
     the service's caller. Loops run until the service is stopped, so it stops loudly."""
 
 
+class LoopStalled(RuntimeError):
+    """A service's loop is stuck: it has not turned within its limit. The service stops, so a
+    supervisor restarts it and its partitions go to another instance meanwhile."""
+
+
 async def run_until_cancelled(*coros: Awaitable[None]) -> None:
     """Run a service's loops together until cancelled; the first to end stops them all. One
     that fails raises its error; one that returns or is cancelled from elsewhere raises

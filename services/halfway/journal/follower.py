@@ -72,6 +72,7 @@ from halfway.journal.replay import partition_of
 from halfway.journal.sealed import EndedTasks, SealedTasks
 from halfway.journal.shared_fold import shared_folds
 from halfway.journal.writer import JournalWriter, local_appends
+from halfway.loops import LoopStalled, run_until_cancelled
 from halfway.settings import KafkaSettings
 
 OnChange = Callable[[set[str]], Awaitable[None]]
@@ -133,6 +134,13 @@ HELD_WEBHOOKS_MAX = 10_000
 HELD_WEBHOOK_S_MAX = 300.0
 # How often the webhooks partitions' "weighed up to here" offsets are committed.
 WEBHOOK_COMMIT_INTERVAL_S = 1.0
+# A fold whose loop has not turned for this long is stuck: the service stops (LoopStalled), and
+# its partitions go to another instance. Kafka's max.poll.interval.ms (5 min by default) would
+# do it, but aiokafka's check never fires for us: each fetch a wake cancels leaves its "a fetch
+# is under way" count raised. Counted in ticks of the watch's own, so a process paused (SIGSTOP,
+# a VM stall) is not taken for a stuck loop when it wakes.
+LOOP_STALL_S = 300.0
+LOOP_WATCH_TICK_S = 1.0
 
 
 # What `_ready` says of a dirty task: report it now; keep it dirty (its own write is not
@@ -286,6 +294,7 @@ class JournalFollower:
         self._loading: dict[int, dict[TopicPartition, _Partition]] = {}
         self._loaders: set[asyncio.Task[None]] = set()
         self._since_freeze = 0  # records folded since the last gc.freeze
+        self._turns = 0  # the loop's turns, for `_watch`
         self._adopted: dict[TopicPartition, tuple[int, int]] = {}
         self._committed_at_s = 0.0
         self.on_give_up: Callable[[str, BaseException], Awaitable[None]] | None = None
@@ -319,48 +328,9 @@ class JournalFollower:
         await self._consumer.stop()
 
     async def run(self) -> None:
-        """Fold and report changes until cancelled."""
+        """Fold and report changes until cancelled; LoopStalled if the loop gets stuck."""
         try:
-            while True:
-                if self._hold is not None:  # the service has too much to send: it waits
-                    await self._hold()
-                # Yield to the loop once per batch: a fetch served from aiokafka's prefetched
-                # buffer returns without suspending, and a long replay that never suspends
-                # starves the consumer's heartbeat (the group then takes the partitions away
-                # and the replay starts over). A batch that waited has yielded already.
-                if not self._consumer.waited:
-                    await asyncio.sleep(0)
-                adoptions = self._adoptions
-                deliveries = await self._consumer.batch(IDLE_FETCH_MS, wake=self._wake,
-                                                        folded=self._folded)
-                if self._adoptions != adoptions:
-                    deliveries = self._not_before_adoption(deliveries, adoptions)
-                for d in deliveries:
-                    self._apply(d.event, TopicPartition(d.topic, d.partition), d.offset)
-                self._since_freeze += len(deliveries)
-                if self._since_freeze >= GC_FREEZE_EVERY_RECORDS:
-                    self._since_freeze = 0
-                    gc.collect()  # walks only what was not frozen yet: the newest records'
-                    gc.freeze()
-                await self._refresh_positions()
-                if self._ahead:
-                    self._fold_all_ahead()
-                self._release_webhooks()
-                await self._commit_webhooks()
-                async with self._progress:
-                    self._progress.notify_all()
-                self._maybe_snapshot()
-                ready = self._take_ready()
-                if ready:
-                    try:
-                        await self._on_change(ready)
-                    except Exception:
-                        # A service's own isolation (`for_each`) should have caught it; if not,
-                        # the loop still goes on and the tasks are looked at again later.
-                        self._log.exception("acting on changed tasks failed",
-                                            tasks=len(ready))
-                        for task_id in ready:
-                            self._retry_later(task_id)
+            await run_until_cancelled(self._loop(), self._watch())
         finally:
             for handle in self._retries.values():
                 handle.cancel()
@@ -371,6 +341,61 @@ class JournalFollower:
                 self._snapshotting.cancel()
                 with contextlib.suppress(BaseException):
                     await self._snapshotting
+
+    async def _watch(self) -> None:
+        """Stop the service when the loop has not turned for LOOP_STALL_S (see there)."""
+        seen, ticks = self._turns, 0
+        while True:
+            await asyncio.sleep(LOOP_WATCH_TICK_S)
+            if self._turns != seen:
+                seen, ticks = self._turns, 0
+                continue
+            ticks += 1
+            if ticks * LOOP_WATCH_TICK_S >= LOOP_STALL_S:
+                raise LoopStalled(f"the {self.group} fold has not turned for {LOOP_STALL_S:g} s")
+
+    async def _loop(self) -> None:
+        while True:
+            self._turns += 1
+            if self._hold is not None:  # the service has too much to send: it waits
+                await self._hold()
+            # Yield to the loop once per batch: a fetch served from aiokafka's prefetched
+            # buffer returns without suspending, and a long replay that never suspends
+            # starves the consumer's heartbeat (the group then takes the partitions away
+            # and the replay starts over). A batch that waited has yielded already.
+            if not self._consumer.waited:
+                await asyncio.sleep(0)
+            adoptions = self._adoptions
+            deliveries = await self._consumer.batch(IDLE_FETCH_MS, wake=self._wake,
+                                                    folded=self._folded)
+            if self._adoptions != adoptions:
+                deliveries = self._not_before_adoption(deliveries, adoptions)
+            for d in deliveries:
+                self._apply(d.event, TopicPartition(d.topic, d.partition), d.offset)
+            self._since_freeze += len(deliveries)
+            if self._since_freeze >= GC_FREEZE_EVERY_RECORDS:
+                self._since_freeze = 0
+                gc.collect()  # walks only what was not frozen yet: the newest records'
+                gc.freeze()
+            await self._refresh_positions()
+            if self._ahead:
+                self._fold_all_ahead()
+            self._release_webhooks()
+            await self._commit_webhooks()
+            async with self._progress:
+                self._progress.notify_all()
+            self._maybe_snapshot()
+            ready = self._take_ready()
+            if ready:
+                try:
+                    await self._on_change(ready)
+                except Exception:
+                    # A service's own isolation (`for_each`) should have caught it; if not,
+                    # the loop still goes on and the tasks are looked at again later.
+                    self._log.exception("acting on changed tasks failed",
+                                        tasks=len(ready))
+                    for task_id in ready:
+                        self._retry_later(task_id)
 
     # -- what services call ----------------------------------------------------------------
 
