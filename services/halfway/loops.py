@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Coroutine
+from typing import Any
 
 
 class LoopEnded(RuntimeError):
@@ -16,12 +17,12 @@ class LoopStalled(RuntimeError):
     supervisor restarts it and its partitions go to another instance meanwhile."""
 
 
-async def run_until_cancelled(*coros: Awaitable[None]) -> None:
+async def run_until_cancelled(*coros: Coroutine[Any, Any, None]) -> None:
     """Run a service's loops together until cancelled; the first to end stops them all. One
     that fails raises its error; one that returns or is cancelled from elsewhere raises
     LoopEnded. (A TaskGroup takes a child's cancellation for a normal end: the service would
     keep running without that loop, its partitions read by nobody.)"""
-    tasks = [asyncio.ensure_future(coro) for coro in coros]
+    tasks = [asyncio.create_task(coro) for coro in coros]
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -33,7 +34,5 @@ async def run_until_cancelled(*coros: Awaitable[None]) -> None:
     if errors:
         raise errors[0]
     ended = next(iter(done))
-    name = getattr(ended.get_coro() if isinstance(ended, asyncio.Task) else ended,
-                   "__qualname__", repr(ended))
     how = "was cancelled" if ended.cancelled() else "returned"
-    raise LoopEnded(f"{name} {how} while the service ran")
+    raise LoopEnded(f"{ended.get_coro().__qualname__} {how} while the service ran")
