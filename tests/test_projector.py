@@ -18,6 +18,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from halfway import loops
 from halfway import settings as env
 from halfway.contract import CompensationPlan, Event, FinalState, Outcome, SettlementSource
 from halfway.contract.events import SagaRole
@@ -360,6 +361,28 @@ async def test_a_batch_whose_offsets_moved_writes_nothing(
     for _ in range(2):
         await store.apply_batch(pg, schema, [state], {("j", 0): 20})
     assert (await store.snapshot(pg, schema))["steps"] == rows_of(state)["steps"]
+
+
+@pytest.mark.broker
+async def test_a_projector_whose_round_is_stuck_stops_with_an_error(
+        journal: KafkaSettings, schema: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PostgreSQL that never answers, or a fetch that never returns: the consumer would go on
+    heartbeating and keep the partitions while nothing is projected (aiokafka's own check of
+    the poll interval does not fire). The projector stops, for its supervisor to restart."""
+    monkeypatch.setattr(loops, "LOOP_WATCH_TICK_S", 0.05)
+    monkeypatch.setattr(loops, "LOOP_STALL_S", 0.5)
+    projector = Projector(journal, env.pg_dsn(), schema=schema)
+    stuck = asyncio.Event()
+
+    async def hold() -> None:  # the first round, and it never returns
+        stuck.set()
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(projector, "_round", hold)
+    async with asyncio.timeout(WAIT_S):
+        with pytest.raises(loops.LoopStalled, match=r"projector's loop has not turned for 0\.5 s"):
+            await projector.run()
+    assert stuck.is_set()
 
 
 # --- 3. kill -9 in the middle of a burst ---------------------------------------------------------

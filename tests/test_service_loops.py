@@ -1,6 +1,7 @@
 """A service's loops run together until the service is stopped (`run_until_cancelled`): one
-that ends by itself stops the service loudly, never leaves it running without that loop; and a
-fold's loop that is stuck stops its service too (`JournalFollower._watch`)."""
+that ends by itself stops the service loudly, never leaves it running without that loop (beside
+a main part too: `run_beside`); and a fold's loop that is stuck stops its service (`LoopWatch`,
+in the followers and the projector)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,13 @@ import time
 
 import pytest
 
+from halfway import loops as loops_module
 from halfway.journal import JournalWriter
-from halfway.journal import follower as follower_module
 from halfway.journal.follower import JournalFollower
-from halfway.loops import LoopEnded, LoopStalled, run_until_cancelled
+from halfway.loops import LoopEnded, LoopStalled, LoopWatch, run_beside, run_until_cancelled
 from halfway.settings import KafkaSettings
-from tests.followers import unstarted
 
 WAIT_S = 10.0
-SETTINGS = KafkaSettings(bootstrap="127.0.0.1:1", topic_prefix="loops.", replication_factor=1)
 
 
 class Loops:
@@ -98,13 +97,53 @@ async def test_stopping_the_service_stops_every_loop_and_is_a_cancellation() -> 
     assert loops.cleaned == {"fold", "sender"}
 
 
+# --- a main part with loops beside it ------------------------------------------------------------
+
+
+async def test_beside_a_main_part_its_result_is_returned_and_the_loops_stop() -> None:
+    loops = Loops()
+
+    async def main() -> str:
+        async with asyncio.timeout(WAIT_S):
+            await loops.both.wait()
+        return "served"
+
+    result = await run_beside(main(), loops.forever("fold"), loops.forever("sender"))
+    assert result == "served"
+    assert loops.cleaned == {"fold", "sender"}
+
+
+async def test_a_loop_that_ends_before_the_main_part_stops_it_with_an_error() -> None:
+    """The MCP server would go on taking calls with nobody to decide or perform them."""
+    loops = Loops()
+    main_stopped = asyncio.Event()
+
+    async def main() -> str:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            main_stopped.set()
+        return "never"
+
+    service = asyncio.create_task(run_beside(main(), loops.forever("fold"),
+                                             loops.forever("sender")))
+    async with asyncio.timeout(WAIT_S):
+        await loops.both.wait()
+    loops.started["sender"].cancel()
+    async with asyncio.timeout(WAIT_S):
+        with pytest.raises(LoopEnded, match=r"Loops\.forever was cancelled"):
+            await service
+    assert main_stopped.is_set()
+    assert loops.cleaned == {"fold", "sender"}
+
+
 # --- a fold's loop that is stuck stops its service -----------------------------------------------
 
 
 @pytest.fixture
 def short_stall(monkeypatch: pytest.MonkeyPatch) -> float:
-    monkeypatch.setattr(follower_module, "LOOP_WATCH_TICK_S", 0.05)
-    monkeypatch.setattr(follower_module, "LOOP_STALL_S", 0.5)
+    monkeypatch.setattr(loops_module, "LOOP_WATCH_TICK_S", 0.05)
+    monkeypatch.setattr(loops_module, "LOOP_STALL_S", 0.5)
     return 0.5
 
 
@@ -135,8 +174,7 @@ async def test_a_fold_whose_loop_is_stuck_stops_its_service(
 async def test_a_pause_longer_than_the_limit_is_not_a_stuck_loop(short_stall: float) -> None:
     """A process stopped (SIGSTOP) or a VM stalled wakes up with its clock far ahead: the watch
     counts its own ticks, not the time, so a pause is not taken for a loop that is stuck."""
-    f = unstarted(SETTINGS, "pause", [])
-    watch = asyncio.create_task(f._watch())
+    watch = asyncio.create_task(LoopWatch("fold").watch())
     await asyncio.sleep(0.1)  # two ticks of ten
     time.sleep(2 * short_stall)  # noqa: ASYNC251 -- the whole process paused, the watch too
     await asyncio.sleep(0.1)  # the late tick and two more: five of ten

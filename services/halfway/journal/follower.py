@@ -72,7 +72,7 @@ from halfway.journal.replay import partition_of
 from halfway.journal.sealed import EndedTasks, SealedTasks
 from halfway.journal.shared_fold import shared_folds
 from halfway.journal.writer import JournalWriter, local_appends
-from halfway.loops import LoopStalled, run_until_cancelled
+from halfway.loops import LoopWatch, run_until_cancelled
 from halfway.settings import KafkaSettings
 
 OnChange = Callable[[set[str]], Awaitable[None]]
@@ -134,13 +134,6 @@ HELD_WEBHOOKS_MAX = 10_000
 HELD_WEBHOOK_S_MAX = 300.0
 # How often the webhooks partitions' "weighed up to here" offsets are committed.
 WEBHOOK_COMMIT_INTERVAL_S = 1.0
-# A fold whose loop has not turned for this long is stuck: the service stops (LoopStalled), and
-# its partitions go to another instance. Kafka's max.poll.interval.ms (5 min by default) would
-# do it, but aiokafka's check never fires for us: each fetch a wake cancels leaves its "a fetch
-# is under way" count raised. Counted in ticks of the watch's own, so a process paused (SIGSTOP,
-# a VM stall) is not taken for a stuck loop when it wakes.
-LOOP_STALL_S = 300.0
-LOOP_WATCH_TICK_S = 1.0
 
 
 # What `_ready` says of a dirty task: report it now; keep it dirty (its own write is not
@@ -294,7 +287,7 @@ class JournalFollower:
         self._loading: dict[int, dict[TopicPartition, _Partition]] = {}
         self._loaders: set[asyncio.Task[None]] = set()
         self._since_freeze = 0  # records folded since the last gc.freeze
-        self._turns = 0  # the loop's turns, for `_watch`
+        self._watch = LoopWatch(f"{group} fold")  # stops the service if the loop gets stuck
         self._adopted: dict[TopicPartition, tuple[int, int]] = {}
         self._committed_at_s = 0.0
         self.on_give_up: Callable[[str, BaseException], Awaitable[None]] | None = None
@@ -330,7 +323,7 @@ class JournalFollower:
     async def run(self) -> None:
         """Fold and report changes until cancelled; LoopStalled if the loop gets stuck."""
         try:
-            await run_until_cancelled(self._loop(), self._watch())
+            await run_until_cancelled(self._loop(), self._watch.watch())
         finally:
             for handle in self._retries.values():
                 handle.cancel()
@@ -342,21 +335,9 @@ class JournalFollower:
                 with contextlib.suppress(BaseException):
                     await self._snapshotting
 
-    async def _watch(self) -> None:
-        """Stop the service when the loop has not turned for LOOP_STALL_S (see there)."""
-        seen, ticks = self._turns, 0
-        while True:
-            await asyncio.sleep(LOOP_WATCH_TICK_S)
-            if self._turns != seen:
-                seen, ticks = self._turns, 0
-                continue
-            ticks += 1
-            if ticks * LOOP_WATCH_TICK_S >= LOOP_STALL_S:
-                raise LoopStalled(f"the {self.group} fold has not turned for {LOOP_STALL_S:g} s")
-
     async def _loop(self) -> None:
         while True:
-            self._turns += 1
+            self._watch.turned()
             if self._hold is not None:  # the service has too much to send: it waits
                 await self._hold()
             # Yield to the loop once per batch: a fetch served from aiokafka's prefetched

@@ -79,7 +79,7 @@ from halfway.journal.reader import known_end
 from halfway.journal.records import InvalidRecord, decode
 from halfway.journal.sealed import EndedTasks, SealedTasks
 from halfway.journal.writer import JournalWriter
-from halfway.loops import run_until_cancelled
+from halfway.loops import LoopWatch, run_until_cancelled
 from halfway.projector import store
 from halfway.settings import KafkaSettings
 
@@ -353,6 +353,7 @@ class Projector:
         self._conn: asyncpg.Connection | None = None
         self._verify_at = 0.0
         self._log = log.get("halfway.projector", group=self.group, schema=self.schema)
+        self._watch = LoopWatch("projector's loop")  # stops the projector if a round gets stuck
         self._writer = writer
         self._out: JournalWriter | None = None  # the writer `run` uses (dead letters, images)
         self._dead_letters: DeadLetters | None = None
@@ -453,13 +454,19 @@ class Projector:
             try:
                 self._consumer.subscribe([self.topic], listener=_Listener(self))
                 self._log.info("projector starting", topic=self.topic)
-                while True:
-                    await self._round()
+                # A round stuck (PostgreSQL not answering, a fetch that never returns) stops
+                # the projector, its partitions to another instance: aiokafka would not.
+                await run_until_cancelled(self._rounds(), self._watch.watch())
             finally:
                 await self._stop_background()
                 await self._consumer.stop()
         finally:
             await self._conn.close()
+
+    async def _rounds(self) -> None:
+        while True:
+            self._watch.turned()
+            await self._round()
 
     async def _round(self) -> None:
         kafka = self._kafka()
