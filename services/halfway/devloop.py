@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from halfway import log, metrics
 from halfway.journal.admin import ensure_topics_once_up
+from halfway.loops import run_until_cancelled
 from halfway.serve import PARTS, Service, run_service, stop_on_signals
 from halfway.settings import KafkaSettings
 
@@ -41,10 +42,9 @@ async def run_dev(app: App, model: Model) -> None:
     services = [run_service(s, settings, registry, model if s is Service.DECIDER else None,
                             app=app) for s in Service if s not in PARTS]
     try:
-        async with asyncio.TaskGroup() as group:
-            for service in services:
-                group.create_task(service)
-            group.create_task(projector.run())
+        # One that ends by itself stops them all, loudly (a TaskGroup would run on without a
+        # child cancelled by someone else).
+        await run_until_cancelled(*services, projector.run())
     except asyncio.CancelledError:
         logger.info("halfway dev: stopped")
     finally:

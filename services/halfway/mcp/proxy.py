@@ -70,6 +70,7 @@ from halfway.core.fold import TaskState, TaskStatus
 from halfway.journal import JournalWriter
 from halfway.journal.admin import topic_partitions
 from halfway.journal.records import stamp
+from halfway.loops import run_beside
 from halfway.mcp.answers import (
     NOT_DONE,
     Answer,
@@ -570,21 +571,22 @@ async def serve_proxy(app: Any, model: Model, *, transport: str, host: str, port
         async with JournalWriter(settings) as writer:
             proxy = Proxy(app, settings, writer, model, call_wait_s=call_wait_s,
                           session_idle_s=session_idle_s, stdio_task=task)
-            async with asyncio.TaskGroup() as group:
-                helpers = [group.create_task(proxy.decider.run()),
-                           group.create_task(proxy.reap_idle()),
-                           *(group.create_task(run_service(s, settings, registry, app=app))
-                             for s in (Service.EXECUTOR, Service.RECONCILER, Service.OUTCOMES))]
-                logger.info("halfway mcp serve", app=app.label, transport=transport,
-                            tools=sorted(registry.names()), prefix=settings.topic_prefix)
+            logger.info("halfway mcp serve", app=app.label, transport=transport,
+                        tools=sorted(registry.names()), prefix=settings.topic_prefix)
+
+            async def serve_then_finish() -> None:
                 if transport == "stdio":
                     await serve_stdio(proxy)
-                    await proxy.end_all(FINISH_WAIT_S)
                 else:
                     await serve_http(proxy, host, port)
-                    await proxy.end_all(FINISH_WAIT_S)
-                for helper in helpers:
-                    helper.cancel()
+                await proxy.end_all(FINISH_WAIT_S)
+
+            # The services stop when the server has finished; one that ends before stops the
+            # server with its error (LoopEnded if it was cancelled): no call is taken that
+            # nobody would decide or perform.
+            await run_beside(serve_then_finish(), proxy.decider.run(), proxy.reap_idle(),
+                             *(run_service(s, settings, registry, app=app)
+                               for s in (Service.EXECUTOR, Service.RECONCILER, Service.OUTCOMES)))
     except asyncio.CancelledError:
         logger.info("halfway mcp serve: stopped")
     finally:
