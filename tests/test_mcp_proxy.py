@@ -29,7 +29,7 @@ from halfway.tools.spec import ToolSpec
 
 pytest.register_assert_rewrite("tests.processes")
 
-from tests.processes import Cluster  # noqa: E402
+from tests.processes import Cluster, stop  # noqa: E402
 
 pytest_plugins = ["tests.processes"]
 
@@ -198,6 +198,11 @@ async def test_http_agents_in_two_sessions_cannot_pay_one_invoice_twice(core: Cl
         lambda e: isinstance(e, TaskFinished) and e.task_id.startswith("mcp-")
         and e.task_id != b_task, "the lone call's task finished", timeout_s=LONG_WAIT_S)
     assert not core.journal.states[lone.task_id].steps  # refused: nothing was placed
+
+    # SIGTERM: the server stops gracefully, then the services under it; nothing is an error.
+    (proxy,) = [p for p in core.procs if p.name.startswith("mcp-http")]
+    assert await stop(proxy) == 0, proxy.tail()
+    assert not [e for e in proxy.log_events() if e.get("level") == "error"], proxy.tail()
 
     ledger = [c for c in await core.ledger() if c["metadata"].get("invoice") == invoice]
     assert len(ledger) == 1, ledger

@@ -50,7 +50,7 @@ import socket
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -563,8 +563,8 @@ async def serve_proxy(app: Any, model: Model, *, transport: str, host: str, port
     await ensure_topics_once_up(settings)
     await app.prepare()  # the tools of the app's MCP servers (the bridge): listed once
     registry = app.registry()
-    # Over HTTP uvicorn takes the signals while it serves, stops the server, then raises them
-    # again for this handler: the services stop after the server.
+    # SIGTERM cancels this task; over HTTP the server then stops gracefully (`serve_http`),
+    # and the services after it.
     stop_on_signals()
     logger = log.get("halfway.mcp")
     try:
@@ -607,8 +607,8 @@ async def serve_stdio(proxy: Proxy) -> None:
 async def serve_http(proxy: Proxy, host: str, port: int) -> None:
     import uvicorn
 
-    server = proxy.server()
-    starlette = server.streamable_http_app(streamable_http_path=HTTP_PATH, host=host,
+    mcp_server = proxy.server()
+    starlette = mcp_server.streamable_http_app(streamable_http_path=HTTP_PATH, host=host,
                                            max_sessions=SESSIONS_MAX,
                                            session_idle_timeout=proxy.session_idle_s)
     sock = socket.create_server((host, port))
@@ -616,6 +616,28 @@ async def serve_http(proxy: Proxy, host: str, port: int) -> None:
     config = uvicorn.Config(EndOnDelete(starlette, proxy.end), log_config=None,
                             access_log=False, lifespan="on",
                             timeout_graceful_shutdown=HTTP_SHUTDOWN_S)
+    server = _quiet_server(config)
     # Printed once the socket accepts connections: scripts and tests wait for this line.
     print(f"listening on http://{host}:{bound}{HTTP_PATH}", flush=True)
-    await uvicorn.Server(config).serve(sockets=[sock])
+    serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+    try:
+        await asyncio.shield(serving)
+    except asyncio.CancelledError:
+        # Stopped (SIGTERM): the calls under way get their answers, within HTTP_SHUTDOWN_S.
+        server.should_exit = True
+        await serving
+        raise
+
+
+def _quiet_server(config: Any) -> Any:
+    """uvicorn's server without its signal handlers. Its own would run beside the process's
+    (a loop delivers a signal to every handler registered for it): the process's cancels the
+    server mid-shutdown, with a traceback, before uvicorn has answered the calls under way."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    return Server(config)
