@@ -20,12 +20,20 @@ import pytest
 
 from halfway import loops
 from halfway import settings as env
-from halfway.contract import CompensationPlan, Event, FinalState, Outcome, SettlementSource
+from halfway.contract import (
+    CompensationPlan,
+    Event,
+    FinalState,
+    Outcome,
+    SettlementSource,
+    TaskFinished,
+)
 from halfway.contract.events import SagaRole
 from halfway.contract.topics import ALL_TOPICS, JOURNAL
 from halfway.core.fold import fold
 from halfway.journal import JournalWriter, ensure_topics, replay
 from halfway.journal.admin import delete_topics
+from halfway.journal.records import record_headers, record_key, record_value
 from halfway.projector import store
 from halfway.projector.rebuild import compare, rebuild
 from halfway.projector.rows import COLUMNS, TABLES, rows_of, table_rows
@@ -383,6 +391,78 @@ async def test_a_projector_whose_round_is_stuck_stops_with_an_error(
         with pytest.raises(loops.LoopStalled, match=r"projector's loop has not turned for 0\.5 s"):
             await projector.run()
     assert stuck.is_set()
+
+
+# --- values PostgreSQL cannot hold ----------------------------------------------------------------
+
+
+def odd_history(task_id: str) -> list[Event]:
+    """NULs where a model, a provider or a caller can put them: PostgreSQL's text and jsonb
+    refuse the character, the journal does not."""
+    s = Stamper(task_id)
+    return [s.started(input={"note": "a\x00b", "k\x00": [1.5]}),
+            s.intended(1, args={"invoice": "INV-\x00"}), s.attempted(1, 1),
+            s.settled(1, Outcome.DONE, attempt=1, evidence={"charge_id": "ch_\x00nul"}),
+            s.intended(2), s.attempted(2, 1),
+            s.settled(2, Outcome.NOT_DONE, attempt=1, reason="declined \x00"),
+            TaskFinished(**s.stamp(), state=FinalState.FAILED, summary="over \x00")]
+
+
+async def write_with_a_foreign_nan(writer: JournalWriter, task_id: str) -> None:
+    """A task started by a foreign writer whose input holds NaN (ours write null)."""
+    started = Stamper(task_id).started(input={"x": 1.5})
+    value = record_value(started).replace(b'"x":1.5', b'"x":NaN')
+    await writer.append_raw(JOURNAL, value, key=record_key(started),
+                            headers=record_headers(started))
+
+
+@pytest.mark.broker
+async def test_values_postgresql_cannot_hold_are_shown_mended_and_the_projector_goes_on(
+        journal: KafkaSettings, pg: asyncpg.Connection, schema: str) -> None:
+    """Before, the projector stopped at the first NUL, and again at every restart: the read
+    model froze for every task."""
+    async with JournalWriter(journal) as writer:
+        await write_all(writer, [odd_history("odd-1"), history("odd-2", 0)])
+        await write_with_a_foreign_nan(writer, "odd-3")
+    ends = await journal_end_offsets(journal)
+    async with projecting(journal, schema) as task:
+        await until_applied(pg, schema, journal, ends, task_alive(task))
+    snap = await store.snapshot(pg, schema)
+    tasks = {row["task_id"]: row for row in snap["tasks"]}
+    assert tasks["odd-1"]["input"] == {"note": "a\ufffdb", "k\ufffd": [1.5]}
+    assert tasks["odd-1"]["summary"] == "over \ufffd"
+    steps = {row["n"]: row for row in snap["steps"] if row["task_id"] == "odd-1"}
+    assert steps[1]["args"]["invoice"] == "INV-\ufffd"
+    assert steps[1]["evidence"]["charge_id"] == "ch_\ufffdnul"
+    assert steps[2]["reason"] == "declined \ufffd"
+    assert tasks["odd-3"]["input"] == {"x": None}
+    assert tasks["odd-2"]["status"] == "finished"
+
+
+@pytest.mark.broker
+async def test_a_task_whose_rows_postgresql_refuses_is_a_placeholder_and_the_rest_is_written(
+        journal: KafkaSettings, pg: asyncpg.Connection, schema: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever PostgreSQL refuses beyond what is mended (here: text NULs, no longer mended),
+    the projector goes on: the task's row says why, its neighbours in the batch are whole."""
+    monkeypatch.setattr(store, "storable_text", lambda value: value)
+    async with JournalWriter(journal) as writer:
+        await write_all(writer, [odd_history("odd-1"), history("fine-1", 0),
+                                 history("fine-2", 3)])
+    ends = await journal_end_offsets(journal)
+    async with projecting(journal, schema) as task:
+        await until_applied(pg, schema, journal, ends, task_alive(task))
+    snap = await store.snapshot(pg, schema)
+    tasks = {row["task_id"]: row for row in snap["tasks"]}
+    assert tasks["odd-1"]["summary"].startswith(
+        "(its rows could not be stored: CharacterNotInRepertoireError"), tasks["odd-1"]
+    assert tasks["odd-1"]["status"] == "finished"
+    assert tasks["odd-1"]["input"] is None
+    assert not [row for row in snap["steps"] if row["task_id"] == "odd-1"]
+    expected = table_rows([fold(history("fine-1", 0)), fold(history("fine-2", 3))])
+    for table in TABLES:
+        assert [row for row in snap[table] if row.get("task_id", "") != "odd-1"
+                and not str(row.get("step_id", "")).startswith("odd-1")] == expected[table]
 
 
 # --- 3. kill -9 in the middle of a burst ---------------------------------------------------------

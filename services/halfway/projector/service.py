@@ -602,10 +602,14 @@ class Projector:
         offsets = {(self.topic, p.number): p.position for p in parts}
         expected = {(self.topic, p.number): p.written_to or 0 for p in parts}
         try:
-            await store.apply_batch(self._conn, self.schema, states, offsets, expected=expected)
+            refused = await store.apply_batch(self._conn, self.schema, states, offsets,
+                                              expected=expected)
         except store.OffsetConflict as exc:
             self._resync(exc.stored)
             return
+        for task_id, reason in refused:
+            self._log.error("PostgreSQL refused a task's rows: a placeholder row says why",
+                            task_id=task_id, reason=reason)
         for part in parts:
             part.stored(offsets[(self.topic, part.number)])
         self.batches += 1

@@ -14,8 +14,10 @@ moved them. The writer then re-reads them and writes again from there.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import math
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -51,8 +53,48 @@ def checked(schema: str) -> str:
     return schema
 
 
+# What PostgreSQL cannot hold, though the journal can: a NUL character (in text, and as \u0000
+# in jsonb) and, in jsonb, a number that is not finite (a foreign writer's NaN; ours write
+# null). The read model shows U+FFFD and null instead; the journal keeps the original.
+NUL = "\x00"
+NUL_SHOWN_AS = "\ufffd"
+# What a row's values raise when PostgreSQL refuses one (data exceptions, constraints) or
+# asyncpg cannot encode it (an integer out of its column's range): see `_replace_rows`.
+UNSTORABLE = (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError, ValueError,
+              TypeError, OverflowError)
+REASON_CHARS_MAX = 500
+
+
+def storable_text(value: Any) -> Any:
+    """`value`, with any NUL in a string replaced (the same value when it has none)."""
+    if type(value) is str and NUL in value:
+        return value.replace(NUL, NUL_SHOWN_AS)
+    return value
+
+
+def storable_json(value: Any) -> Any:
+    """A JSON value PostgreSQL's jsonb takes: NUL in keys and strings replaced, numbers that
+    are not finite as null."""
+    if isinstance(value, str):
+        return value.replace(NUL, NUL_SHOWN_AS)
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k).replace(NUL, NUL_SHOWN_AS): storable_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [storable_json(v) for v in value]
+    return value
+
+
 def _encode_jsonb(value: Any) -> bytes:
-    return b"\x01" + json.dumps(value, separators=(",", ":")).encode()  # jsonb binary v1
+    try:
+        text = json.dumps(value, separators=(",", ":"), allow_nan=False)
+    except ValueError:  # a number that is not finite
+        text = json.dumps(storable_json(value), separators=(",", ":"))
+    else:
+        if "\\u0000" in text:  # a NUL, or (rarely) a backslash followed by "u0000"
+            text = json.dumps(storable_json(value), separators=(",", ":"))
+    return b"\x01" + text.encode()  # jsonb binary v1
 
 
 def _decode_jsonb(data: bytes) -> Any:
@@ -126,25 +168,29 @@ async def read_offsets(conn: asyncpg.Connection, schema: str, topic: str) -> dic
 
 async def apply_batch(conn: asyncpg.Connection, schema: str, states_changed: Iterable[TaskState],
                       offsets: Mapping[TopicPartition, int], *,
-                      expected: Mapping[TopicPartition, int] | None = None) -> None:
-    """Write the rows of `states_changed` and set `offsets`, in one transaction.
+                      expected: Mapping[TopicPartition, int] | None = None,
+                      ) -> list[tuple[str, str]]:
+    """Write the rows of `states_changed` and set `offsets`, in one transaction. Returns the
+    tasks (id, reason) whose rows PostgreSQL refused: each is a placeholder row instead.
 
     `expected`: the offsets the caller believes are stored (0 where none is); if any differs,
     nothing is written and OffsetConflict carries what is stored.
     """
     schema = checked(schema)
     states = list(states_changed)
+    refused: list[tuple[str, str]] = []
     async with conn.transaction():
         if expected is not None:
             await _fence(conn, schema, expected)
         if states:
-            await _replace_rows(conn, schema, states)
+            refused = await _replace_rows(conn, schema, states)
         if offsets:
             await conn.executemany(
                 f"insert into {schema}.applied_offsets (topic, partition, next_offset) "
                 "values ($1, $2, $3) on conflict (topic, partition) "
                 "do update set next_offset = excluded.next_offset",
                 [(topic, partition, offset) for (topic, partition), offset in offsets.items()])
+    return refused
 
 
 async def _fence(conn: asyncpg.Connection, schema: str,
@@ -165,24 +211,60 @@ async def _fence(conn: asyncpg.Connection, schema: str,
         raise OffsetConflict(moved)
 
 
-async def _replace_rows(conn: asyncpg.Connection, schema: str, states: list[TaskState]) -> None:
-    by_table: dict[str, list[Row]] = {table: [] for table in TABLES}
+async def _replace_rows(conn: asyncpg.Connection, schema: str,
+                        states: list[TaskState]) -> list[tuple[str, str]]:
+    try:
+        async with conn.transaction():  # a savepoint: a refusal leaves the batch's usable
+            await _replace(conn, schema, states)
+        return []
+    except UNSTORABLE:
+        pass
+    # A value PostgreSQL refuses (beyond those `storable_*` mend) must not stop the read
+    # model: each task alone, and a task refused is written as a placeholder saying why.
+    refused: list[tuple[str, str]] = []
     for state in states:
-        for table, rows in rows_of(state).items():
-            by_table[table].extend(rows)
+        try:
+            async with conn.transaction():
+                await _replace(conn, schema, [state])
+        except UNSTORABLE as exc:
+            reason = f"{type(exc).__name__}: {exc}"[:REASON_CHARS_MAX]
+            refused.append((state.task_id, reason))
+            with contextlib.suppress(*UNSTORABLE):  # else its rows stay as they were
+                async with conn.transaction():
+                    await _replace(conn, schema, [state], refused=reason)
+    return refused
+
+
+async def _replace(conn: asyncpg.Connection, schema: str, states: list[TaskState], *,
+                   refused: str | None = None) -> None:
+    """Delete the rows of `states`, then write their rows (or, `refused`, placeholders)."""
+    rows = [rows_of(state) for state in states]
     task_ids = [state.task_id for state in states]
     # A fold never loses a step, so the steps of the new states cover every old row.
-    step_ids = [row["step_id"] for row in by_table["steps"]]
+    step_ids = [row["step_id"] for task in rows for row in task["steps"]]
     await conn.execute(f"delete from {schema}.tasks where task_id = any($1::text[])", task_ids)
     for table in ("steps", "attempts", "checks", "compensations"):
         await conn.execute(f"delete from {schema}.{table} where step_id = any($1::text[])",
                            step_ids)
-    for table, rows in by_table.items():
-        if rows:
-            columns = COLUMNS[table]
-            await conn.copy_records_to_table(
-                table, schema_name=schema, columns=list(columns),
-                records=[tuple(row[c] for c in columns) for row in rows])
+    if refused is not None:
+        rows = [placeholder_rows(task, refused) for task in rows]
+    for table in TABLES:
+        records = [tuple(storable_text(row[c]) for c in COLUMNS[table])
+                   for task in rows for row in task[table]]
+        if records:
+            await conn.copy_records_to_table(table, schema_name=schema,
+                                             columns=list(COLUMNS[table]), records=records)
+
+
+def placeholder_rows(rows: dict[str, list[Row]], reason: str) -> dict[str, list[Row]]:
+    """The rows of a task PostgreSQL refused: its task row without the values that may hold
+    what was refused, saying why, and no step rows (`halfway replay --task` shows it whole,
+    from the journal)."""
+    task = rows["tasks"][0] | {
+        column: None for column in ("input", "allowed_tools", "not_accepted", "aborted_by",
+                                    "aborted_reason", "attention", "model_unavailable")}
+    task["summary"] = f"(its rows could not be stored: {reason}; see halfway replay --task)"
+    return {table: [task] if table == "tasks" else [] for table in TABLES}
 
 
 async def snapshot(conn: asyncpg.Connection, schema: str) -> dict[str, list[Row]]:
