@@ -493,7 +493,9 @@ async def test_start_and_resolve_through_the_api_a_read_token_cannot_and_who_act
     again = await client.post(f"/api/steps/{step_id}/resolve", headers=bearer(OPS),
                               json={"outcome": "not_done", "reason": "changed my mind"})
     assert again.status == 409
-    assert "already done" in (await again.json())["error"]
+    words = (await again.json())["error"]
+    assert "already done" in words
+    assert '"force": true' in words  # the body field, not the command line's --force
     absent = await client.post(f"/api/steps/{task_id}:7/resolve", headers=bearer(OPS),
                                json={"outcome": "not_done", "reason": "x"})
     assert absent.status == 404

@@ -7,7 +7,8 @@
   client when it moves. PostgreSQL could notify instead (LISTEN), but the projector does not
   NOTIFY and polling one cheap row is honest about what it costs: one query per 500 ms.
   Fair: at most SSE_CLIENTS_PER_CLIENT_MAX streams per client (its token's name, or its address
-  when it has no token; past it, 429) within SSE_CLIENTS_MAX for everyone (past it, 503).
+  when it has no token; past it, 429) within SSE_CLIENTS_MAX for everyone (past it, 503). A
+  stream whose connection closed gives its slot back at once.
 - `POST /api/tasks`, `POST /api/tasks/{task_id}/abort`, `POST /api/steps/{step_id}/resolve`:
   start a task, call one off, settle a step by hand (`halfway.api.operate`).
 - `GET /`: the page (static/index.html), which re-reads the API on `ready` and `changed`.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import re
 import signal
@@ -41,7 +43,15 @@ from halfway import log
 from halfway import settings as env
 from halfway.api import openapi, operate, queries, status
 from halfway.api.auth import TokenConfigError, Tokens, allowed_host_names, is_loopback
-from halfway.api.http import ACCESS, Access, check_host, error, json_ok, require
+from halfway.api.http import (
+    ACCESS,
+    Access,
+    check_host,
+    error,
+    json_ok,
+    json_route_errors,
+    require,
+)
 from halfway.contract.ids import is_task_id
 from halfway.settings import KafkaSettings, api_host, api_port, pg_dsn, pg_schema
 
@@ -64,6 +74,11 @@ LIMIT_TEXT = re.compile(r"[0-9]{1,6}")
 _MISSING = (asyncpg.UndefinedTableError, asyncpg.InvalidSchemaNameError)
 # What "the database cannot answer" looks like: refused, timed out, or a server error.
 _UNAVAILABLE = (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError)
+# What to change when the socket cannot be bound, by errno (else: the host).
+_BIND_FIXES = {errno.EADDRINUSE: "HALFWAY_API_PORT to a free port (0: any)",
+               errno.EACCES: "HALFWAY_API_PORT to another port"}
+
+_Stream = tuple[str, asyncio.BaseTransport | None]  # whose, and the connection it goes to
 
 
 class Live:
@@ -74,15 +89,17 @@ class Live:
 
     def __init__(self, api: Api) -> None:
         self._api = api
-        self._clients: dict[asyncio.Queue[str | None], str] = {}  # queue -> whose
+        self._clients: dict[asyncio.Queue[str | None], _Stream] = {}
         self._per_client: dict[str, int] = {}  # at most SSE_CLIENTS_MAX keys
         self._poller: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()  # the poller has read a first version (or failed to)
         self._closed = False
 
-    def subscribe(self, who: str) -> asyncio.Queue[str | None]:
-        """A queue for one stream of client `who`; 503 when SSE_CLIENTS_MAX streams are open
-        or shutting down, 429 when `who` has SSE_CLIENTS_PER_CLIENT_MAX of them."""
+    def subscribe(self, who: str,
+                  transport: asyncio.BaseTransport | None) -> asyncio.Queue[str | None]:
+        """A queue for one stream of client `who` over `transport`; 503 when SSE_CLIENTS_MAX
+        streams are open or shutting down, 429 when `who` has SSE_CLIENTS_PER_CLIENT_MAX."""
+        self._drop_closed()
         if self._closed or len(self._clients) >= SSE_CLIENTS_MAX:
             raise error(web.HTTPServiceUnavailable,
                        f"too many live clients (at most {SSE_CLIENTS_MAX}); reload later")
@@ -91,21 +108,31 @@ class Live:
                        f"too many live streams for {who} (at most "
                        f"{SSE_CLIENTS_PER_CLIENT_MAX} each); close one first")
         queue: asyncio.Queue[str | None] = asyncio.Queue(maxsize=1)
-        self._clients[queue] = who
+        self._clients[queue] = (who, transport)
         self._per_client[who] = self._per_client.get(who, 0) + 1
         if self._poller is None:
             self._poller = asyncio.create_task(self._poll(), name="halfway-api-poller")
         return queue
 
     def unsubscribe(self, queue: asyncio.Queue[str | None]) -> None:
-        who = self._clients.pop(queue, None)
-        if who is None:
+        stream = self._clients.pop(queue, None)
+        if stream is None:
             return
+        who, _ = stream
         left = self._per_client[who] - 1
         if left:
             self._per_client[who] = left
         else:
             del self._per_client[who]
+
+    def _drop_closed(self) -> None:
+        """Free the slots of streams whose connection is closed, and end their handlers.
+        aiohttp cancels no handler when its client goes (outside its test server), so a
+        handler would notice only at its next keepalive write, KEEPALIVE_S later."""
+        for queue, (_, transport) in list(self._clients.items()):
+            if transport is None or transport.is_closing():
+                self.unsubscribe(queue)
+                _end(queue)
 
     async def wait_ready(self) -> None:
         with contextlib.suppress(TimeoutError):
@@ -129,27 +156,33 @@ class Live:
                 last = current
                 self._ready.set()
                 await asyncio.sleep(POLL_S)
+                self._drop_closed()  # a stream whose client went ends within POLL_S
         finally:
             # No await between the loop's last check and here: a client that subscribes now
             # finds no poller and starts a new one.
             self._poller = None
             self._ready.clear()
 
-    def _send(self, item: str | None) -> None:
+    def _send(self, item: str) -> None:
         for queue in self._clients:
-            if item is None:  # shutting down: the end goes in even if a change is pending
-                while not queue.empty():
-                    queue.get_nowait()
             with contextlib.suppress(asyncio.QueueFull):
                 queue.put_nowait(item)
 
     async def close(self) -> None:
         self._closed = True
-        self._send(None)
+        for queue in self._clients:
+            _end(queue)
         if self._poller is not None:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
+
+
+def _end(queue: asyncio.Queue[str | None]) -> None:
+    """Tell a stream's handler to end: the end goes in even if a change is pending."""
+    while not queue.empty():
+        queue.get_nowait()
+    queue.put_nowait(None)
 
 
 class Api:
@@ -242,7 +275,7 @@ async def events(request: web.Request) -> web.StreamResponse:
     live = request.app[API].live
     # Fair by who it is: a token's name, else the address (one address, many tabs).
     queue = live.subscribe(f"token {principal.name}" if principal.authenticated
-                           else f"address {request.remote}")
+                           else f"address {request.remote}", request.transport)
     response = web.StreamResponse(headers={
         "Content-Type": "text/event-stream", "Cache-Control": "no-store",
         "X-Accel-Buffering": "no",  # a proxy in front must not hold the events back
@@ -285,7 +318,8 @@ def make_app(dsn: str, schema: str, *, kafka: KafkaSettings | None = None,
     journal of `kafka` (default: from the environment). No `tokens`: reads are open and the
     write endpoints refused, unless `dev`. `allowed_hosts`: the Host names answered (default:
     the loopback names)."""
-    app = web.Application(middlewares=[check_host], client_max_size=operate.BODY_BYTES_MAX)
+    app = web.Application(middlewares=[check_host, json_route_errors],
+                          client_max_size=operate.BODY_BYTES_MAX)
     api = app[API] = Api(dsn, schema)
     journal = app[operate.JOURNAL] = operate.Journal(kafka or KafkaSettings.from_env("api"))
     app[ACCESS] = Access(tokens or Tokens(), dev,
@@ -331,20 +365,18 @@ async def serve_api(host: str | None = None, port: int | None = None) -> None:
         trust = access_from_env(host)
         # The API writes as its own Kafka principal: requests and operator events only.
         kafka = KafkaSettings.from_env("api")
-    except (ApiConfigError, ValueError) as exc:
+        dsn, schema = pg_dsn(), _schema_from_env()
+        sock = await _listen(host, api_port() if port is None else port)
+    except (ApiConfigError, ValueError) as exc:  # ValueError: SettingsError names the variable
         logger.error("api not started", reason=str(exc))
         print(f"halfway api: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    app = make_app(pg_dsn(), pg_schema(), kafka=kafka, **trust)
-    # Our own socket, so that with port 0 we can read back the port the kernel chose.
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, api_port() if port is None else port))
+    app = make_app(dsn, schema, kafka=kafka, **trust)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     try:
         await web.SockSite(runner, sock).start()
-        url = f"http://{host}:{sock.getsockname()[1]}"
+        url = f"http://{_authority(host, sock.getsockname()[1])}"
         print(f"listening on {url}", flush=True)  # the one line a parent process reads
         access = app[ACCESS]
         logger.info("api listening", url=url, schema=app[API].schema,
@@ -358,6 +390,44 @@ async def serve_api(host: str | None = None, port: int | None = None) -> None:
 
 class ApiConfigError(Exception):
     """The API must not start as configured; the message says why and what to set."""
+
+
+def _schema_from_env() -> str:
+    try:
+        return queries.checked_schema(pg_schema())
+    except ValueError as exc:
+        raise ApiConfigError(f"HALFWAY_PG_SCHEMA: {exc}") from None
+
+
+def _authority(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to `host`:`port`, of the host's address family (IPv4 first when a name
+    has both, as ever). Our own socket, so that with port 0 we can read back the port the
+    kernel chose. ApiConfigError, naming the variable to change, when it cannot be bound."""
+    try:
+        found = await asyncio.get_running_loop().getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:  # UnicodeError: not a name (idna)
+        why = exc.strerror if isinstance(exc, OSError) else "not a host name"
+        raise ApiConfigError(f"HALFWAY_API_HOST: cannot listen on {host[:100]!r}: {why}"
+                             ) from None
+    family, kind, proto, _, address = min(found, key=lambda a: a[0] != socket.AF_INET)
+    try:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+        except OSError:
+            sock.close()
+            raise
+    except OSError as exc:
+        change = _BIND_FIXES.get(exc.errno, "HALFWAY_API_HOST to an address of this machine")
+        raise ApiConfigError(f"cannot listen on {_authority(host, port)}: {exc.strerror}; "
+                             f"set {change}") from None
+    return sock
 
 
 def access_from_env(host: str) -> dict[str, Any]:

@@ -50,6 +50,7 @@ TOKENS_FILE_BYTES_MAX = 1024 * 1024
 NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}"
 SHA256_PATTERN = r"[0-9a-f]{64}"
 HOST_CHARS_MAX = 255
+PORT_MAX = 65535
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 ANY_HOST = "*"
 DEV_NAME = "dev"
@@ -108,7 +109,9 @@ class TokenEntry(BaseModel):
 
 
 def _sha256(text: str) -> bytes:
-    return hashlib.sha256(text.encode()).digest()
+    # surrogatepass: aiohttp decodes a header that is not UTF-8 with surrogateescape (and an
+    # environment variable is decoded so too); such a token is just not one we know.
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
 
 
 def _reason(exc: ValidationError) -> str:
@@ -236,14 +239,19 @@ def host_name(header: str) -> str | None:
         return None
     if header.startswith("["):
         end = header.find("]")
-        if end < 0 or (header[end + 1:] and not re.fullmatch(r":[0-9]{1,5}", header[end + 1:])):
+        rest = header[end + 1:]
+        if end < 0 or (rest and not (rest.startswith(":") and _is_port(rest[1:]))):
             return None
         return header[1:end].lower()
     name, _, port = header.partition(":")
-    if port and not re.fullmatch(r"[0-9]{1,5}", port):
+    if port and not _is_port(port):
         return None
     name = name.lower().rstrip(".")
     return name if re.fullmatch(r"[a-z0-9_.-]+", name) else None
+
+
+def _is_port(text: str) -> bool:
+    return re.fullmatch(r"[0-9]{1,5}", text) is not None and int(text) <= PORT_MAX
 
 
 def allowed_host_names(configured: Iterable[str] | None, bind_host: str | None) -> frozenset[str]:

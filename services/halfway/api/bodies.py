@@ -7,9 +7,10 @@ same classes (`halfway.api.openapi`), so the document cannot drift from what is 
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, model_validator
 
 from halfway.contract import TaskPolicy
 from halfway.contract.events import StepId, TaskId
@@ -23,6 +24,28 @@ Reason = Annotated[str, Field(min_length=1, max_length=REASON_CHARS_MAX,
                               pattern=r"\S", description="In words the journal keeps.")]
 
 
+PATH_CHARS_MAX = 200  # where a bad number is, in a refusal (keys may be long)
+
+
+def _finite(value: JsonValue) -> JsonValue:
+    """`value`, if no number in it is NaN or infinite. pydantic's JSON parser reads NaN and
+    Infinity, and 1e999 as inf; the journal would keep each as null."""
+    todo: list[tuple[str, JsonValue]] = [("", value)]
+    while todo:
+        path, item = todo.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ValueError("NaN, Infinity and numbers beyond ±1.8e308 are not JSON numbers"
+                             + (f" (at {path[:PATH_CHARS_MAX]})" if path else ""))
+        if isinstance(item, dict):
+            todo.extend((f"{path}.{k}" if path else k, v) for k, v in item.items())
+        elif isinstance(item, list):
+            todo.extend((f"{path}[{i}]", v) for i, v in enumerate(item))
+    return value
+
+
+FiniteJson = Annotated[JsonValue, AfterValidator(_finite)]
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -32,7 +55,7 @@ class StartTask(_Body):
     id starts it once: the first request counts."""
 
     task_id: TaskId
-    input: dict[str, JsonValue] = Field(
+    input: dict[str, FiniteJson] = Field(
         default_factory=dict, description='The task\'s input; its "prompt" is the user message.')
     allowed_tools: list[Annotated[str, Field(min_length=1, max_length=TOOL_NAME_CHARS_MAX)]] = \
         Field(min_length=1, max_length=ALLOWED_TOOLS_MAX,
@@ -54,7 +77,7 @@ class ResolveStep(_Body):
     contradiction, never silently)."""
 
     outcome: Literal["done", "not_done"]
-    evidence: dict[str, JsonValue] | None = Field(
+    evidence: dict[str, FiniteJson] | None = Field(
         None, min_length=1, max_length=EVIDENCE_FIELDS_MAX,
         description="What proves `done`, e.g. {\"charge_id\": \"ch_...\"}.")
     reason: Reason | None = None

@@ -62,3 +62,22 @@ async def check_host(request: web.Request,
                     f"this API does not answer to the host {shown!r}: the names it answers to "
                     "are set by HALFWAY_API_ALLOWED_HOSTS")
     return await handler(request)
+
+
+@web.middleware
+async def json_route_errors(request: web.Request,
+                            handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                            ) -> web.StreamResponse:
+    """No route (404) or no such method (405) under /api/ answers JSON like every other API
+    error, not aiohttp's plain text; a 405 keeps its Allow header."""
+    unmatched = request.match_info.http_exception
+    if unmatched is None or not (request.path + "/").startswith("/api/"):
+        return await handler(request)
+    if isinstance(unmatched, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(unmatched.allowed_methods))
+        raise web.HTTPMethodNotAllowed(
+            request.method, unmatched.allowed_methods, content_type="application/json",
+            text=json.dumps({"error": f"{request.method[:20]} is not allowed on "
+                                      f"{request.path[:100]}; allowed: {allowed}"}))
+    raise error(type(unmatched), f"no such endpoint: {request.path[:100]!r} (the endpoints are "
+                "in /api/openapi.json)")

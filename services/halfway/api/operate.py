@@ -94,7 +94,9 @@ async def _body(request: web.Request, model: type[M]) -> M:
             text=json.dumps({"error": f"the body is larger than {BODY_BYTES_MAX} bytes"}),
         ) from None
     try:
-        return model.model_validate_json(raw)
+        # strict: "yes" is no boolean and "3" no number (nested models too, e.g. the policy);
+        # JSON's strict mode still reads enum values and ISO datetimes from strings.
+        return model.model_validate_json(raw, strict=True)
     except ValidationError as exc:
         problems = exc.errors(include_input=False, include_url=False)
         if any(p["type"] == "json_invalid" for p in problems):
@@ -118,7 +120,8 @@ def _refused(exc: ResolveRefused) -> web.HTTPException:
     if isinstance(exc, NotInJournal):
         return error(web.HTTPNotFound, str(exc))
     if isinstance(exc, AlreadyDecided):
-        return error(web.HTTPConflict, str(exc))
+        # halfway.resolve words it for the command line; here the switch is a body field.
+        return error(web.HTTPConflict, str(exc).replace("--force", '"force": true'))
     return error(web.HTTPUnprocessableEntity, str(exc))
 
 
