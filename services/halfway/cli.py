@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import sys
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -264,21 +265,21 @@ def start(
     import re
 
     from halfway.contract.ids import TASK_ID_PATTERN
-    from halfway.start import BrokerUnreachable
+    from halfway.start import BadInput, BrokerUnreachable, task_input
     from halfway.start import start as start_task
 
     if re.fullmatch(TASK_ID_PATTERN, task) is None:
         typer.echo(f"halfway: task id {task!r} must match {TASK_ID_PATTERN}", err=True)
         raise typer.Exit(2)
-    try:
-        task_input = json.loads(input_json)
-    except json.JSONDecodeError as exc:
-        typer.echo(f"halfway: --input is not JSON: {exc}", err=True)
-        raise typer.Exit(2) from None
-    if not isinstance(task_input, dict):
-        typer.echo("halfway: --input must be a JSON object, e.g. '{\"prompt\": \"...\"}'",
-                   err=True)
+    if timeout is not None and not (follow and 0 < timeout < math.inf):  # nan is neither
+        typer.echo("halfway: --timeout is how long --follow follows: a positive number of "
+                   "seconds, with --follow", err=True)
         raise typer.Exit(2)
+    try:
+        given = task_input(task, input_json)
+    except BadInput as exc:
+        typer.echo(f"halfway: {exc}", err=True)
+        raise typer.Exit(2) from None
     loaded = _load_app(app_ref)
     _prepare(loaded)  # an app that bridges MCP servers learns its tools from them
     allowed = ([t.strip() for t in tools.split(",") if t.strip()] if tools is not None
@@ -296,7 +297,7 @@ def start(
         typer.echo(f"{who}: {message.words}")
 
     try:
-        code = asyncio.run(start_task(task, task_input, allowed, saga=saga, follow=follow,
+        code = asyncio.run(start_task(task, given, allowed, saga=saga, follow=follow,
                                       timeout_s=timeout, echo=echo))
     except BrokerUnreachable as exc:
         typer.echo(f"halfway: {exc}", err=True)
@@ -307,8 +308,11 @@ def start(
     raise typer.Exit(code)
 
 
+PortOption = Annotated[int, typer.Option(help="0 picks a free port", min=0, max=65535)]
+
+
 @app.command()
-def modelsim(port: Annotated[int, typer.Option(help="0 picks a free port")] = 18083,
+def modelsim(port: PortOption = 18083,
              host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
              ) -> None:
     """Run the OpenAI-compatible model simulator (chat completions with tool calls) until
@@ -319,7 +323,7 @@ def modelsim(port: Annotated[int, typer.Option(help="0 picks a free port")] = 18
 
 
 @app.command()
-def sim(port: Annotated[int, typer.Option(help="0 picks a free port")] = 18080,
+def sim(port: PortOption = 18080,
         host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
         key_ttl_s: Annotated[float, typer.Option(help="how long keys are remembered")] = 86400.0,
         webhook_url: Annotated[str | None, typer.Option(
@@ -338,7 +342,7 @@ def sim(port: Annotated[int, typer.Option(help="0 picks a free port")] = 18080,
 
 
 @app.command()
-def tripsim(port: Annotated[int, typer.Option(help="0 picks a free port")] = 18081,
+def tripsim(port: PortOption = 18081,
             host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
             key_ttl_s: Annotated[float, typer.Option(help="how long keys are remembered")
                                  ] = 86400.0) -> None:
@@ -434,8 +438,8 @@ def tasks(state: Annotated[str | None, typer.Option(help="only tasks in this sta
 
     try:
         rows = asyncio.run(_read_model(lambda c, s: queries.list_tasks(c, s, state, limit)))
-    except ValueError as exc:
-        typer.echo(f"{exc} (states: {', '.join(queries.TASK_STATES)})", err=True)
+    except ValueError as exc:  # its words name what it takes (an unknown state: the states)
+        typer.echo(f"halfway: {exc}", err=True)
         raise typer.Exit(2) from None
     typer.echo(tables.as_json(tables.tasks_json(rows)) if as_json
                else tables.tasks_table(rows, now=datetime.now(UTC)))
@@ -473,6 +477,14 @@ def replay(task: Annotated[str | None, typer.Option(help="only this task")] = No
            ) -> None:
     """Rebuild every task's state from the journal alone and print it; or, with --rebuild,
     rebuild the PostgreSQL read model (compared row for row with the live one)."""
+    if check and not rebuild:
+        typer.echo("halfway: --check compares a rebuilt read model with the live one: give it "
+                   "with --rebuild", err=True)
+        raise typer.Exit(2)
+    if rebuild and (task is not None or as_json):
+        typer.echo("halfway: --rebuild rebuilds every task's rows and prints a report; --task "
+                   "and --json are for the replay without it", err=True)
+        raise typer.Exit(2)
     if rebuild:
         _rebuild_read_model(check_only=check)
         return
@@ -482,6 +494,9 @@ def replay(task: Annotated[str | None, typer.Option(help="only this task")] = No
     log.configure()
     result = asyncio.run(replay_journal(KafkaSettings.from_env("operator")))
     states = [s for t, s in sorted(result.states.items()) if task in (None, t)]
+    if task is not None and not states:  # as `halfway status` says of the read model
+        typer.echo(f"no task {task} in the journal", err=True)
+        raise typer.Exit(1)
     if as_json:
         typer.echo(json.dumps({"events": result.events, "invalid": len(result.invalid),
                                "tasks": [task_summary(s) for s in states]}, default=str))
@@ -532,7 +547,8 @@ def mcp_serve(
     transport: Annotated[McpTransport, typer.Option(help="stdio, or streamable HTTP")] =
     McpTransport.STDIO,
     host: Annotated[str, typer.Option(help="http: the address to listen on")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="http: the port (0 picks a free one)")] = 18110,
+    port: Annotated[int, typer.Option(help="http: the port (0 picks a free one)", min=0,
+                                      max=65535)] = 18110,
     task: Annotated[str | None, typer.Option(
         help="stdio: the session's task id (default: a new one per connection)")] = None,
     wait_s: Annotated[float, typer.Option(
@@ -545,8 +561,9 @@ def mcp_serve(
     journaled step with a harness-minted key, answered done, not done or unknown."""
     from halfway.mcp.proxy import serve_proxy
 
-    if wait_s <= 0 or idle_s <= 0:
-        typer.echo("halfway: --wait-s and --idle-s must be positive", err=True)
+    if not (0 < wait_s < math.inf and 0 < idle_s < math.inf):  # nan is neither
+        typer.echo("halfway: --wait-s and --idle-s must be positive numbers of seconds",
+                   err=True)
         raise typer.Exit(2)
     loaded = _load_app(app_ref)
     chosen = _load_model(model, loaded)  # for tasks that are not MCP sessions

@@ -20,16 +20,28 @@ import contextlib
 import getpass
 import os
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import ValidationError
 
 from halfway import tracing
-from halfway.contract import Outcome, SettlementSource, StepSettled, TaskAborted, parse_step_id
+from halfway.contract import (
+    Outcome,
+    SettlementSource,
+    StepSettled,
+    TaskAborted,
+    encode_event,
+    parse_step_id,
+)
+from halfway.contract.ids import is_task_id
 from halfway.journal import JournalWriter
-from halfway.journal.records import stamp
+from halfway.journal.records import describe, stamp
 from halfway.journal.replay import task_state
 from halfway.settings import KafkaSettings
 
 BY_CHARS_MAX = 200
+REASON_CHARS_MAX = 2000  # the API's bound on a reason too (halfway.api.bodies)
+E = TypeVar("E", StepSettled, TaskAborted)
 
 
 class ResolveRefused(Exception):
@@ -73,6 +85,29 @@ def _checked_by(by: str) -> str:
     return by
 
 
+def _checked_reason(reason: str) -> str:
+    if not reason.strip():
+        raise ResolveRefused("the reason must say why (it is empty)")
+    if len(reason) > REASON_CHARS_MAX:
+        raise ResolveRefused(f"the reason is {len(reason)} characters; at most "
+                             f"{REASON_CHARS_MAX}")
+    return reason
+
+
+def _journalable(kind: type[E], **fields: Any) -> E:
+    """The event, or ResolveRefused saying why the journal cannot keep it: text from a command
+    line may hold bytes that are not UTF-8 (lone surrogates), which the contract refuses and no
+    JSON encoder writes."""
+    try:
+        event = kind(**fields)
+        encode_event(event)
+    except ValidationError as exc:
+        raise ResolveRefused(describe(exc, "it cannot be journaled: ")) from None
+    except ValueError as exc:  # not valid text, found only when encoded
+        raise ResolveRefused(f"it cannot be journaled: {exc}") from None
+    return event
+
+
 @contextlib.asynccontextmanager
 async def _writer(settings: KafkaSettings, given: JournalWriter | None,
                   ) -> AsyncIterator[JournalWriter]:
@@ -95,8 +130,10 @@ async def resolve(settings: KafkaSettings, step_id: str, outcome: Outcome, *,
         raise ResolveRefused("an operator settles a step done or not_done; it is unknown already")
     if outcome is Outcome.DONE and not evidence:
         raise ResolveRefused("done needs evidence: --evidence charge_id=ch_…")
-    if outcome is Outcome.NOT_DONE and not reason:
+    if outcome is Outcome.NOT_DONE and reason is None:
         raise ResolveRefused("not_done needs a reason: --reason \"…\"")
+    if reason is not None:
+        reason = _checked_reason(reason)
     with tracing.span("halfway.settlement", task_id, step_id, source="operator", by=by):
         state = await task_state(settings, task_id)
         step = state.step(n)
@@ -105,8 +142,8 @@ async def resolve(settings: KafkaSettings, step_id: str, outcome: Outcome, *,
         if step.outcome in (Outcome.DONE, Outcome.NOT_DONE) and not force:
             raise AlreadyDecided(f"step {step_id} is already {step.outcome}; a second verdict "
                                  "would be kept as a contradiction (use --force to record one)")
-        event = StepSettled(
-            **stamp(task_id), step_id=step_id, outcome=outcome,
+        event = _journalable(
+            StepSettled, **stamp(task_id), step_id=step_id, outcome=outcome,
             source=SettlementSource.OPERATOR,
             evidence={**evidence, "resolved_by": by} if evidence else None,
             reason=f"{reason} (resolved by {by})" if reason else None)
@@ -120,6 +157,9 @@ async def abort_task(settings: KafkaSettings, task_id: str, *, reason: str, by: 
                      writer: JournalWriter | None = None) -> TaskAborted:
     """Journal `task.aborted`: no new step is decided; a saga undoes what is proven done."""
     by = _checked_by(by)
+    reason = _checked_reason(reason)
+    if not is_task_id(task_id):
+        raise ResolveRefused(f"{task_id[:60]!r} is not a task id")
     state = await task_state(settings, task_id)
     if state.started is None:
         raise NotInJournal(f"task {task_id} has not started (nothing in the journal)")
@@ -128,7 +168,7 @@ async def abort_task(settings: KafkaSettings, task_id: str, *, reason: str, by: 
     if state.aborted is not None:
         raise AlreadyDecided(f"task {task_id} was already called off by {state.aborted.by}: "
                              f"{state.aborted.reason}")
-    event = TaskAborted(**stamp(task_id), reason=reason, by=by)
+    event = _journalable(TaskAborted, **stamp(task_id), reason=reason, by=by)
     async with _writer(settings, writer) as journal:
         await journal.append(event)
     return event
