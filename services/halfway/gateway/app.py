@@ -39,17 +39,19 @@ topic is at-least-once, and downstream (the reconciler) dedupes by `provider_eve
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import math
 import re
 import signal
 import socket
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from aiohttp import web
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -466,40 +468,63 @@ async def serve_gateway(host: str | None = None, port: int | None = None) -> Non
     """The process entry point (`halfway run gateway`): serve until SIGTERM or SIGINT.
 
     Prints one line, `listening on http://HOST:PORT`, once it accepts connections (port 0
-    picks a free port, which the line then names). Without a provider to serve, or with one
-    that cannot be served (a bad declaration, a missing secret), logs why and exits 2 before
-    connecting to anything: a configuration error, which restarting will not mend."""
+    picks a free port, which the line then names). Without a provider to serve, with one
+    that cannot be served (a bad declaration, a missing secret), or with an address it cannot
+    listen on, says why and exits 2 before connecting to anything: a configuration error,
+    which restarting will not mend."""
     log.configure()
     logger = log.get("halfway.gateway")
     try:
         loaded = providers.load()
     except ProviderError as exc:
-        logger.error("gateway not started", reason=str(exc))
-        raise SystemExit(2) from None
+        _not_started(logger, str(exc))
     for why in loaded.not_served:
         logger.info("webhook provider not served", why=why)
+    host = host or gateway_host()
+    port = gateway_port() if port is None else port
+    # Our own socket, so that with port 0 we can read back the port the kernel chose; bound
+    # first, so a port in use stops the start before the broker is waited for.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:  # in use, not ours, or a host that does not resolve (gaierror)
+        sock.close()
+        _not_started(logger, _cannot_listen(host, port, exc))
     settings = KafkaSettings.from_env("gateway")
-    await ensure_topics_once_up(settings, (WEBHOOKS, JOURNAL))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    async with JournalWriter(settings) as writer:
-        app = make_app(settings, writer, loaded.providers)
-        # Our own socket, so that with port 0 we can read back the port the kernel chose.
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        host = host or gateway_host()
-        sock.bind((host, gateway_port() if port is None else port))
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
-        await runner.setup()
-        try:
-            await web.SockSite(runner, sock).start()
-            url = f"http://{host}:{sock.getsockname()[1]}"
-            print(f"listening on {url}", flush=True)  # the one line a parent process reads
-            logger.info("gateway listening", url=url, providers=sorted(loaded.providers),
-                        topic=WEBHOOKS.name(settings.topic_prefix))
-            await stop.wait()
-        finally:
-            await runner.cleanup()  # finishes requests in flight while the writer still runs
+    with sock:  # closed however the gateway ends
+        await ensure_topics_once_up(settings, (WEBHOOKS, JOURNAL))
+        async with JournalWriter(settings) as writer:
+            app = make_app(settings, writer, loaded.providers)
+            runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+            await runner.setup()
+            try:
+                try:
+                    await web.SockSite(runner, sock).start()
+                except OSError as exc:  # listen(): another process took the port since
+                    _not_started(logger, _cannot_listen(host, port, exc))
+                url = f"http://{host}:{sock.getsockname()[1]}"
+                print(f"listening on {url}", flush=True)  # the one line a parent process reads
+                logger.info("gateway listening", url=url, providers=sorted(loaded.providers),
+                            topic=WEBHOOKS.name(settings.topic_prefix))
+                await stop.wait()
+            finally:
+                await runner.cleanup()  # finishes requests in flight while the writer runs
     logger.info("gateway stopped")
+
+
+def _cannot_listen(host: str, port: int, exc: OSError) -> str:
+    fix = ("HALFWAY_GATEWAY_PORT to a free port" if exc.errno in (errno.EADDRINUSE, errno.EACCES)
+           else "HALFWAY_GATEWAY_HOST to an address of this machine")
+    return f"cannot listen on {host}:{port}: {exc.strerror or exc}; set {fix}"
+
+
+def _not_started(logger: FilteringBoundLogger, reason: str) -> NoReturn:
+    logger.error("gateway not started", reason=reason)
+    # The log may be JSON for a collector: the person who ran the command reads this line.
+    print(f"halfway gateway: {reason}", file=sys.stderr, flush=True)
+    raise SystemExit(2)

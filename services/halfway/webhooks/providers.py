@@ -141,13 +141,13 @@ class Loaded:
 
 
 def _secret_problem(fmt: Format, secret: str) -> str | None:
+    """Why `secret` cannot be used, as a clause ("it is empty"); never quotes it."""
     if len(secret) > SECRET_CHARS_MAX:
-        return f"longer than {SECRET_CHARS_MAX} characters"
+        return f"it is longer than {SECRET_CHARS_MAX} characters"
     if any(c.isspace() for c in secret):
-        return "contains whitespace"
-    if fmt == "standardwebhooks":
-        return standard.secret_problem(secret)
-    return None
+        return "it contains whitespace"
+    problem = standard.secret_problem(secret) if fmt == "standardwebhooks" else None
+    return None if problem is None else f"it is {problem}"
 
 
 def secrets_of(declaration: ProviderDeclaration, raw: str, *, dev: bool) -> tuple[str, ...]:
@@ -164,7 +164,7 @@ def secrets_of(declaration: ProviderDeclaration, raw: str, *, dev: bool) -> tupl
         problem = _secret_problem(declaration.format, secret)
         if problem is not None:
             raise ProviderError(f"{env}: secret {n} of {len(secrets)} for webhook provider "
-                                f"{declaration.name} is {problem}")
+                                f"{declaration.name} cannot be used: {problem}")
         if secret == DEFAULT_PAYSIM_WEBHOOK_SECRET and not dev:
             raise ProviderError(f"{env}: secret {n} of {len(secrets)} is the published dev "
                                 f"secret, accepted only in dev mode ({DEV_MODE_ENV}=1): set "
