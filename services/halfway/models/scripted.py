@@ -1,8 +1,10 @@
 """A deterministic scripted model: the embedded default for demos and tests.
 
 It follows the task's input: `input["script"]` is a list of steps `{"tool", "args"}`; after
-the last one it finishes with `input.get("summary")`. A task without a script is a permanent
-model failure (the task fails, saying why), never a success with no step.
+the last one it finishes with `input.get("summary")` (by default "done", or which step was not
+done when the last one was not). A task without a script, or with one that is not such a
+list, is a permanent model failure (the task fails at once, saying why), never a success with
+no step nor a question asked again.
 
 It behaves like a real model in the one way that matters here: asked twice for the same step
 it answers differently (a step may carry `"reask_args"`, merged over `args` on every ask after
@@ -22,11 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
 
 from halfway import settings
+from halfway.core.fold import StepStatus
 from halfway.models.base import (
     History,
     ModelUnavailable,
@@ -81,10 +85,10 @@ class ScriptedModel:
                 "the scripted model follows input.script, and this task has none: give the "
                 "task a script, or run the decider with a real model (--model openai:NAME)",
                 transient=False)
-        script: list[dict[str, Any]] = list(history.input.get("script", []))
+        script = _checked(history.input["script"])
         asked_before = self.times_asked(history.task_id, history.n)
         if history.n > len(script):
-            summary = str(history.input.get("summary", "done"))
+            summary = str(history.input.get("summary", _default_summary(history)))
             self._record(history.task_id, history.n, {"finish": summary})
             return ProposeFinish(summary)
         entry = script[history.n - 1]
@@ -95,3 +99,38 @@ class ScriptedModel:
             args |= entry.get("reask_args", {})
         self._record(history.task_id, history.n, {"tool": entry["tool"], "args": args})
         return ProposeCall(tool=entry["tool"], args=args)
+
+
+def _checked(script: Any) -> list[dict[str, Any]]:
+    """The script, whole: a malformed one is the caller's mistake, which asking again cannot
+    mend (so not transient: the task fails at once, as after a model's 400)."""
+    shape = 'each step {"tool": NAME, "args": {...}}'
+    if not isinstance(script, list):
+        raise ModelUnavailable(f"input.script is not a list of steps: {shape}", transient=False)
+    for n, entry in enumerate(script, start=1):
+        problem = _step_problem(entry)
+        if problem is not None:
+            raise ModelUnavailable(f"input.script step {n} {problem}: {shape}", transient=False)
+    return script
+
+
+def _step_problem(entry: Any) -> str | None:
+    if not isinstance(entry, dict):
+        return "is not an object"
+    if not isinstance(entry.get("tool"), str):
+        return "names no tool"
+    if any(not isinstance(entry.get(k, {}), dict) for k in ("args", "reask_args")):
+        return "has args that are not an object"
+    delay = entry.get("second_ask_delay_s", 0)
+    if isinstance(delay, bool) or not isinstance(delay, int | float) or not math.isfinite(delay):
+        return "has a second_ask_delay_s that is not a number of seconds"
+    return None
+
+
+def _default_summary(history: History) -> str:
+    """What the task came to, when the script does not say: not "done" after a step that was
+    not (the task then fails, and its summary must not claim otherwise)."""
+    last = history.steps[-1] if history.steps else None
+    if last is not None and last.status == StepStatus.NOT_DONE:
+        return f"step {last.step_id} ({last.tool}) was not done"
+    return "done"
