@@ -298,3 +298,33 @@ async def test_the_scripted_models_own_summary_does_not_say_done_after_a_step_th
     assert finish == ProposeFinish("step script-2:1 (charge_customer) was not done")
     done = [*log[:2], s.settled(1, Outcome.DONE, evidence={"charge_id": "ch_1"})]
     assert await ScriptedModel().decide(history_of(fold(done), 2, [])) == ProposeFinish("done")
+
+
+# --- a broker or a database that does not answer --------------------------------------------------
+
+NOTHING_LISTENS = "127.0.0.1:9"
+
+
+@pytest.mark.parametrize("args", [
+    ("abort", "t-1", "--reason", "the customer cancelled"),
+    ("resolve", "t-1:1", "not_done", "--reason", "the bank shows nothing"),
+    ("replay", "--task", "t-1"),
+])
+async def test_a_broker_that_does_not_answer_is_one_line_saying_where(args: tuple[str, ...],
+                                                                       ) -> None:
+    code, err = await halfway(*args, env={"HALFWAY_KAFKA_BOOTSTRAP": NOTHING_LISTENS})
+    assert code == 1, err
+    assert "Traceback" not in err, err
+    # Above it, aiokafka may log its own attempt: the last line is ours.
+    assert f"halfway: no Kafka broker answers at {NOTHING_LISTENS}" in \
+        err.strip().splitlines()[-1], err
+
+
+@pytest.mark.parametrize("args", [("tasks",), ("status", "t-1")])
+async def test_a_read_model_that_does_not_answer_is_one_line_saying_where(
+        args: tuple[str, ...]) -> None:
+    code, err = await halfway(*args, env={
+        "HALFWAY_PG_DSN": f"postgresql://alice:secret@{NOTHING_LISTENS}/halfway"})
+    one_line(code, err, f"PostgreSQL at {NOTHING_LISTENS}/halfway does not answer",
+             exit_code=1)
+    assert "secret" not in err  # the DSN's password is never shown

@@ -411,12 +411,21 @@ def resolve(
     typer.echo(f"{step}: {event.outcome} (source operator, by {who})")
 
 
+PG_CONNECT_TIMEOUT_S = 10.0
+
+
 async def _read_model(fn: Any) -> Any:
     import asyncpg
 
     from halfway import settings
 
-    conn = await asyncpg.connect(settings.pg_dsn())
+    try:
+        conn = await asyncpg.connect(settings.pg_dsn(), timeout=PG_CONNECT_TIMEOUT_S)
+    except (OSError, TimeoutError, asyncpg.PostgresError) as exc:  # refused, silent, refused us
+        raise PostgresUnreachable(
+            f"the read model's PostgreSQL at {_pg_address()} does not answer ({exc}): is it "
+            "running (halfway up, or halfway dev)? HALFWAY_PG_DSN or HALFWAY_PG_PORT say "
+            "where") from None
     try:
         return await fn(conn, settings.pg_schema())
     except (asyncpg.UndefinedTableError, asyncpg.InvalidSchemaNameError):
@@ -577,12 +586,44 @@ def mcp_serve(
 
 def main() -> None:
     """The `halfway` command: a setting it cannot use, read at any point of any command, is a
-    one-line error naming the variable (exit 2), not a traceback."""
+    one-line error naming the variable (exit 2), not a traceback; so is a broker or a database
+    that does not answer (exit 1)."""
+    from aiokafka.errors import KafkaConnectionError
+
     try:
         app()
     except SettingsError as exc:
         typer.echo(f"halfway: {exc}", err=True)
         sys.exit(2)
+    except KafkaConnectionError as exc:
+        typer.echo(f"halfway: no Kafka broker answers at {_kafka_address()} ({exc}): is it "
+                   "running (halfway up, or halfway dev)? HALFWAY_KAFKA_BOOTSTRAP or "
+                   "HALFWAY_KAFKA_PORT say where", err=True)
+        sys.exit(1)
+    except PostgresUnreachable as exc:
+        typer.echo(f"halfway: {exc}", err=True)
+        sys.exit(1)
+
+
+class PostgresUnreachable(Exception):
+    """The read model's database did not answer; the message says where and what to do."""
+
+
+def _kafka_address() -> str:
+    try:
+        return KafkaSettings.from_env().bootstrap
+    except SettingsError:
+        return "(the configured address)"
+
+
+def _pg_address() -> str:
+    """Where the read model is, without the DSN's password."""
+    import urllib.parse
+
+    from halfway import settings
+
+    parts = urllib.parse.urlsplit(settings.pg_dsn())
+    return f"{parts.hostname}:{parts.port or 5432}{parts.path}"
 
 
 if __name__ == "__main__":
