@@ -29,7 +29,7 @@ from halfway.contract.topics import ALL_TOPICS, DEAD_LETTERS, WEBHOOKS
 from halfway.contract.webhooks import WebhookReceived
 from halfway.journal import JournalWriter, ensure_topics
 from halfway.journal.admin import delete_topics
-from halfway.journal.replay import partition_of
+from halfway.journal.records import partition_of
 from halfway.settings import KafkaSettings
 
 SAMPLE_S = 0.2

@@ -18,7 +18,7 @@ from halfway.contract.topics import JOURNAL
 from halfway.decider.service import Decider
 from halfway.journal import JournalWriter
 from halfway.journal.follower import _Partition
-from halfway.journal.replay import partition_of
+from halfway.journal.records import partition_of
 from halfway.models import ScriptedModel
 from halfway.settings import KafkaSettings
 from halfway.tools.registry import Registry

@@ -23,7 +23,7 @@ from halfway.decider import service
 from halfway.decider.service import MODEL_CALLS_MAX, Decider
 from halfway.journal import JournalWriter
 from halfway.journal.follower import _Partition
-from halfway.journal.replay import partition_of
+from halfway.journal.records import partition_of
 from halfway.models import ProposeFinish
 from halfway.models.base import History
 from halfway.settings import KafkaSettings

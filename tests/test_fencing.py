@@ -31,7 +31,7 @@ from halfway.contract import (
 )
 from halfway.contract.topics import JOURNAL
 from halfway.core.fold import fold
-from halfway.journal.replay import partition_of
+from halfway.journal.records import partition_of
 from halfway.resolve import abort_task
 from halfway.settings import KafkaSettings
 

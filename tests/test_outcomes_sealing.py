@@ -27,7 +27,7 @@ from halfway.contract.topics import ALL_TOPICS, JOURNAL, OUTCOMES
 from halfway.journal import JournalWriter, ensure_topics
 from halfway.journal.admin import delete_topics
 from halfway.journal.reader import FETCH_RECORDS_MAX
-from halfway.journal.replay import partition_of
+from halfway.journal.records import partition_of
 from halfway.outcomes import OutcomesPublisher, messages, read_outcomes
 from halfway.outcomes import service as outcomes_service
 from halfway.outcomes.service import _Task

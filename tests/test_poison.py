@@ -38,8 +38,7 @@ from halfway.contract.guards import SubjectClaimed
 from halfway.contract.topics import DEAD_LETTERS, GUARDS, JOURNAL, TASKS, WEBHOOKS, TopicSpec
 from halfway.contract.webhooks import WebhookReceived
 from halfway.journal.limits import BROKER_BATCH_BYTES_MAX, fetch_limits
-from halfway.journal.records import EXCERPT_BYTES_MAX
-from halfway.journal.replay import partition_of
+from halfway.journal.records import EXCERPT_BYTES_MAX, partition_of
 from halfway.outcomes.service import read_outcomes
 from halfway.projector import store
 from halfway.projector.service import journal_end_offsets
@@ -137,10 +136,11 @@ INPUTS = (
 class Poison:
     kind: str
     topic: str
-    key: bytes
+    key: bytes | None
     value: bytes | None
     words: str  # what its dead letter's reason must say
     input: Input
+    partition: int | None = None  # None: the key's
 
 
 def _grown(text: bytes, size: int) -> bytes:
@@ -172,7 +172,26 @@ def poisons(settings: KafkaSettings, task_id: str, subject: str) -> list[Poison]
             assert value is None or len(value) == size, (kind, source.spec.suffix)
             out.append(Poison(kind, source.spec.name(settings.topic_prefix), key, value, words,
                               source))
+        if source.spec in (TASKS, JOURNAL):
+            # Valid events put where their task's events are not: folded there, a task would
+            # be acted on by an instance that does not own it, out of its events' order.
+            home = partition_of(key, source.spec.partitions)
+            stray = _elsewhere(owner, home, source.spec.partitions)
+            topic = source.spec.name(settings.topic_prefix)
+            out.append(Poison("keyless", topic, None,
+                              _grown(valid, value_bytes_max(None)), "has no key", source,
+                              partition=home))
+            stray_doc = json.dumps(source.doc(stray, PAD)).encode()
+            out.append(Poison("wrong-partition", topic, stray.encode(),
+                              _grown(stray_doc, value_bytes_max(stray.encode())),
+                              "events are in partition", source, partition=home))
     return out
+
+
+def _elsewhere(owner: str, home: int, partitions: int) -> str:
+    """A task id like `owner` whose events belong in another partition than `home`."""
+    return next(f"{owner}-{n}" for n in range(1000)
+                if partition_of(f"{owner}-{n}".encode(), partitions) != home)
 
 
 async def publish(settings: KafkaSettings, records: list[Poison]) -> dict[Poison, tuple[int, int]]:
@@ -183,7 +202,8 @@ async def publish(settings: KafkaSettings, records: list[Poison]) -> dict[Poison
     try:
         where = {}
         for poison in records:  # one at a time: a batch of one record each
-            meta = await producer.send_and_wait(poison.topic, poison.value, key=poison.key)
+            meta = await producer.send_and_wait(poison.topic, poison.value, key=poison.key,
+                                                partition=poison.partition)
             where[poison] = (meta.partition, meta.offset)
         # The records are as large as can be: one byte more is refused by the broker.
         first = next(p for p in records if p.value is not None)

@@ -23,7 +23,7 @@ from halfway.contract import Event, FinalState, Outcome, SettlementSource
 from halfway.contract.topics import JOURNAL
 from halfway.core.fold import StepStatus, fold
 from halfway.journal import JournalWriter
-from halfway.journal.replay import partition_of
+from halfway.journal.records import partition_of
 from halfway.projector import store
 from halfway.projector.rebuild import compare, rebuild
 from halfway.projector.rows import TABLES, Row, rows_of

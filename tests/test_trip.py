@@ -36,7 +36,7 @@ from halfway.contract import (
 )
 from halfway.contract.topics import JOURNAL
 from halfway.demo.trip import FULL_HOTEL, trip_request
-from halfway.journal.replay import partition_of
+from halfway.journal.records import partition_of
 from halfway.resolve import ResolveRefused, os_user
 from halfway.settings import KafkaSettings
 

@@ -35,8 +35,7 @@ from halfway.gateway import app as gateway_app
 from halfway.gateway import make_app
 from halfway.gateway.app import RECORD_BYTES_MAX, _Malformed, _Memory, _read_event, _record
 from halfway.journal import JournalWriter
-from halfway.journal.records import decode_webhook
-from halfway.journal.replay import partition_of
+from halfway.journal.records import decode_webhook, partition_of
 from halfway.settings import KafkaSettings
 from halfway.webhooks.delivery import Delivery
 from halfway.webhooks.providers import paysim as paysim_provider

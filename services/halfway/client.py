@@ -35,8 +35,7 @@ from halfway.core.fold import TaskState, TaskStatus, apply
 from halfway.journal import JournalWriter
 from halfway.journal.admin import topic_partitions
 from halfway.journal.limits import fetch_limits
-from halfway.journal.records import InvalidRecord, decode, stamp
-from halfway.journal.replay import partition_of
+from halfway.journal.records import InvalidRecord, decode, partition_of, stamp
 from halfway.journal.replay import task_state as replay_task_state
 from halfway.settings import KafkaSettings
 
@@ -214,7 +213,7 @@ async def _follow_until_over(settings: KafkaSettings, task_id: str) -> TaskState
             batches = await consumer.getmany(tp, timeout_ms=FETCH_TIMEOUT_MS)
             for record in batches.get(tp, []):
                 with contextlib.suppress(InvalidRecord):  # the services dead-letter those
-                    event = decode(record)
+                    event = decode(record, count)
                     if event.task_id == task_id:
                         state = apply(state, event)
         return state

@@ -68,8 +68,7 @@ from halfway.contract.webhooks import WebhookReceived
 from halfway.journal import JournalWriter
 from halfway.journal.admin import ensure_topics_once_up, topic_partitions
 from halfway.journal.limits import WRITER_RECORD_BYTES_MAX
-from halfway.journal.records import InvalidRecord, decode_webhook, describe
-from halfway.journal.replay import partition_of
+from halfway.journal.records import InvalidRecord, decode_webhook, describe, partition_of
 from halfway.settings import KafkaSettings, gateway_host, gateway_port
 from halfway.webhooks import delivery, mapping, providers, standard
 from halfway.webhooks.delivery import Delivery

@@ -67,8 +67,7 @@ from halfway.contract.webhooks import WebhookReceived
 from halfway.core.fold import StepStatus, TaskState, TaskStatus
 from halfway.journal import snapshots as snaps
 from halfway.journal.reader import EventConsumer, Wake
-from halfway.journal.records import Delivery
-from halfway.journal.replay import partition_of
+from halfway.journal.records import Delivery, partition_of
 from halfway.journal.sealed import EndedTasks, SealedTasks
 from halfway.journal.shared_fold import shared_folds
 from halfway.journal.writer import JournalWriter, local_appends

@@ -110,7 +110,8 @@ class EventConsumer:
         # Each topic's own contract: task events everywhere but on the webhooks topic.
         webhooks = WEBHOOKS.name(settings.topic_prefix)
         self._decoders: dict[str, Callable[[ConsumerRecord], Any]] = {
-            name: decode_webhook if name == webhooks else decode for name in self._topics}
+            name: decode_webhook if name == webhooks else self._decode for name in self._topics}
+        self._partition_counts: dict[str, int] = {}  # per topic; a topic's count never changes
         self._log = log.get("halfway.journal", group=group)
         self._prompt = _Prompt(settings, {t.name(settings.topic_prefix) for t in prompt},
                                self) if prompt and gather_ms > 0 else None
@@ -279,6 +280,15 @@ class EventConsumer:
                 out.update(getter.result())  # a fetch error is raised here, as by getmany
                 self.woken = False  # a fetch came back: positions may have moved
         return out
+
+    def _decode(self, record: ConsumerRecord) -> Any:
+        """A task event, checked to sit in its task's partition."""
+        count = self._partition_counts.get(record.topic)
+        if count is None:
+            count = len(self._consumer.partitions_for_topic(record.topic) or ())
+            if count:
+                self._partition_counts[record.topic] = count
+        return decode(record, count or None)
 
     async def _accept(self, record: ConsumerRecord) -> Delivery | None:
         try:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import base64
 import codecs
+import functools
 import hashlib
 import itertools
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol, TypeVar
 
+from aiokafka.partitioner import murmur2
 from aiokafka.structs import ConsumerRecord
 from pydantic import ValidationError
 
@@ -45,6 +48,30 @@ def record_key(event: Event) -> bytes:
     return event.task_id.encode()
 
 
+# The newest keys' murmur2 hashes kept: a live task's key is hashed on every append of it
+# (aiokafka's murmur2 is pure Python, about 1% of a worker's CPU uncached).
+KEY_HASHES_KEPT = 8192
+
+
+@functools.lru_cache(maxsize=KEY_HASHES_KEPT)
+def _key_hash(key: bytes) -> int:
+    return murmur2(key) & 0x7FFFFFFF
+
+
+def partition_of(key: bytes, partitions: int) -> int:
+    """The partition the producer's default partitioner gives `key` (murmur2, as Java's)."""
+    return _key_hash(key) % partitions
+
+
+def key_partitioner(key: bytes | None, all_partitions: list[int],
+                    available: list[int]) -> int:
+    """aiokafka's default partitioner, with the hash cached (`partition_of`): the same
+    partition for every key, so it mixes with writers that use the default."""
+    if key is None:
+        return random.choice(available or all_partitions)
+    return all_partitions[partition_of(key, len(all_partitions))]
+
+
 def record_headers(event: Event) -> Headers:
     # Headers let a reader route or filter without parsing the value; the value stays authoritative.
     return [
@@ -66,15 +93,26 @@ class InvalidRecord(Exception):
         self.reason = reason
 
 
-def decode(record: ConsumerRecord) -> Event:
-    """The event a record holds. Raises InvalidRecord with the reason."""
+def decode(record: ConsumerRecord, partitions: int | None = None) -> Event:
+    """The event a record holds. Raises InvalidRecord with the reason. `partitions`: the
+    topic's partition count, to check the record sits where its task's events are."""
     if record.value is None:
-        raise InvalidRecord("the record has no value (a tombstone): journals hold events only")
+        raise InvalidRecord("the record has no value (a tombstone): these topics hold task "
+                            "events only")
     event = _parse(parse_event, record.value)
-    if record.key is not None and record.key != record_key(event):
-        # A task's events must share a partition; a wrong key breaks the order the fold needs.
+    # A task's events must share a partition: the fold needs their order, and the one service
+    # instance that owns the partition acts on the task. A keyless record, or one a writer put
+    # in another partition, would be folded (and acted on) where its task is not.
+    key = record_key(event)
+    if record.key is None:
+        raise InvalidRecord(f"the record has no key: a task's events are keyed by its task id "
+                            f"{_quote(key)}")
+    if record.key != key:
         raise InvalidRecord(f"record key {_quote(record.key)} is not the event's task id "
-                            f"{_quote(record_key(event))}")
+                            f"{_quote(key)}")
+    if partitions is not None and record.partition != (home := partition_of(key, partitions)):
+        raise InvalidRecord(f"the record is in partition {record.partition}, but task "
+                            f"{_quote(key)}'s events are in partition {home}")
     return event
 
 

@@ -6,20 +6,17 @@ every task's state as the fold of its events, exactly as the live services see i
 
 from __future__ import annotations
 
-import functools
-import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.partitioner import murmur2
 
 from halfway.contract.topics import JOURNAL, TopicSpec
 from halfway.core.fold import TaskState, apply
 from halfway.journal.admin import topic_partitions
 from halfway.journal.limits import fetch_limits
-from halfway.journal.records import Delivery, InvalidRecord, decode
+from halfway.journal.records import Delivery, InvalidRecord, decode, partition_of
 from halfway.settings import KafkaSettings
 
 FETCH_TIMEOUT_MS = 1000
@@ -43,8 +40,9 @@ async def read_topic(settings: KafkaSettings, spec: TopicSpec = JOURNAL,
     """
     topic = spec.name(settings.topic_prefix)
     partitions = await topic_partitions(settings, topic)
+    count = len(partitions)
     if only_key is not None:
-        partitions = {partition_of(only_key, len(partitions))}
+        partitions = {partition_of(only_key, count)}
     consumer = AIOKafkaConsumer(**settings.client(), group_id=None,
                                 enable_auto_commit=False, isolation_level="read_committed",
                                 **fetch_limits())
@@ -63,8 +61,8 @@ async def read_topic(settings: KafkaSettings, spec: TopicSpec = JOURNAL,
                     if record.offset >= end[tp]:
                         break  # written after we started: not part of this replay
                     try:
-                        yield Delivery(decode(record), record.topic, record.partition,
-                                       record.offset)
+                        yield Delivery(decode(record, count), record.topic,
+                                       record.partition, record.offset)
                     except InvalidRecord as exc:
                         if invalid is not None:
                             invalid.append((record.partition, record.offset, exc.reason))
@@ -76,30 +74,6 @@ async def read_topic(settings: KafkaSettings, spec: TopicSpec = JOURNAL,
             behind = {tp for tp in behind if await consumer.position(tp) < end[tp]}
     finally:
         await consumer.stop()
-
-
-# The newest keys' murmur2 hashes kept: a live task's key is hashed on every append of it
-# (aiokafka's murmur2 is pure Python, about 1% of a worker's CPU uncached).
-KEY_HASHES_KEPT = 8192
-
-
-@functools.lru_cache(maxsize=KEY_HASHES_KEPT)
-def _key_hash(key: bytes) -> int:
-    return murmur2(key) & 0x7FFFFFFF
-
-
-def partition_of(key: bytes, partitions: int) -> int:
-    """The partition the producer's default partitioner gives `key` (murmur2, as Java's)."""
-    return _key_hash(key) % partitions
-
-
-def key_partitioner(key: bytes | None, all_partitions: list[int],
-                    available: list[int]) -> int:
-    """aiokafka's default partitioner, with the hash cached (`partition_of`): the same
-    partition for every key, so it mixes with writers that use the default."""
-    if key is None:
-        return random.choice(available or all_partitions)
-    return all_partitions[partition_of(key, len(all_partitions))]
 
 
 async def task_state(settings: KafkaSettings, task_id: str) -> TaskState:

@@ -21,8 +21,7 @@ from aiokafka.structs import RecordMetadata
 from halfway import log
 from halfway.contract import Event
 from halfway.contract.topics import JOURNAL, TopicSpec
-from halfway.journal.records import record_headers, record_key, record_value
-from halfway.journal.replay import key_partitioner
+from halfway.journal.records import key_partitioner, record_headers, record_key, record_value
 from halfway.settings import KafkaSettings
 
 DEFAULT_BATCH_BYTES = 16_384  # aiokafka's

@@ -353,6 +353,7 @@ class Projector:
         self._conn: asyncpg.Connection | None = None
         self._verify_at = 0.0
         self._log = log.get("halfway.projector", group=self.group, schema=self.schema)
+        self._journal_partitions: int | None = None  # see _partition_count
         self._watch = LoopWatch("projector's loop")  # stops the projector if a round gets stuck
         self._writer = writer
         self._out: JournalWriter | None = None  # the writer `run` uses (dead letters, images)
@@ -416,6 +417,15 @@ class Projector:
             behind = max(0, (part.position if end is None else end) - part.written_to)
             out.append((self.topic, number, behind, behind == 0))
         return out
+
+    @property
+    def _partition_count(self) -> int | None:
+        """The journal's partition count (it never changes): a record must sit in its task's
+        partition (`decode`)."""
+        if self._journal_partitions is None and self._consumer is not None:
+            self._journal_partitions = len(
+                self._consumer.partitions_for_topic(self.topic) or ()) or None
+        return self._journal_partitions
 
     def _kafka(self) -> AIOKafkaConsumer:
         assert self._consumer is not None
@@ -513,7 +523,7 @@ class Projector:
             part.since_snapshot += 1
             self.folded += 1
             try:
-                event = decode(record)
+                event = decode(record, self._partition_count)
             except InvalidRecord as exc:
                 self.invalid += 1
                 if record.offset >= part.written_to:
