@@ -91,13 +91,13 @@ class StepWorker:
         while len(self._resting) >= RESTING_MAX:
             del self._resting[next(iter(self._resting))]
         self._resting[effect.move_id] = (failures, time.monotonic() + delay_s)
-        self._wake_in(effect, delay_s)
+        self._wake_in(effect, delay_s, ends_rest=True)
 
     def wake_at(self, effect: Effect, until: datetime, now: datetime) -> None:
         """Look at the effect's task again at `until` (one timer per effect)."""
         self._wake_in(effect, max(0.0, (until - now).total_seconds()))
 
-    def _wake_in(self, effect: Effect, delay_s: float) -> None:
+    def _wake_in(self, effect: Effect, delay_s: float, *, ends_rest: bool = False) -> None:
         # One timer per effect, and only while it waits: a timer that fired is forgotten, so
         # the map holds the effects waiting now, not every effect that ever waited.
         move_id, task_id = effect.move_id, effect.task_id
@@ -107,6 +107,12 @@ class StepWorker:
         def fire() -> None:
             if self._timers.get(move_id) is timer:
                 del self._timers[move_id]
+            if ends_rest and (rest := self._resting.get(move_id)) is not None:
+                # The rest is over when its timer fires. The loop's clock (uvloop's: whole
+                # milliseconds, read once per turn) may fire it a little before
+                # time.monotonic() reaches the deadline: `busy` would then see the effect
+                # resting still, and nothing would look at it again.
+                self._resting[move_id] = (rest[0], 0.0)
             self.follower.touch(task_id)
 
         timer = self._timers[move_id] = asyncio.get_running_loop().call_later(delay_s, fire)
