@@ -176,6 +176,26 @@ def test_a_compensation_is_a_subject_of_its_own() -> None:
     assert (out[-1].state, out[-1].finished) == ("compensated", True)
 
 
+def test_a_message_fits_the_topic_whatever_evidence_and_reasons_the_journal_holds() -> None:
+    """A writer of the journal may settle a step with a megabyte of evidence (or a contradiction
+    quoting it): its message was 1.7 MB, refused by the broker and tried again forever, and the
+    task's subscribers never heard that it finished."""
+    s = Stamper("big-1")
+    evidence = {"charge_id": "ch_1"} | {f"k{i}": i for i in range(60_000)}
+    journal = [s.started(), s.intended(1), s.attempted(1, 1),
+               s.settled(1, Outcome.DONE, attempt=1, evidence=evidence),
+               s.settled(1, Outcome.NOT_DONE, reason="x" * 500_000, attempt=1), s.finished()]
+    told = messages(journal, "big-1")
+    assert told[-1].finished
+    for message in told:
+        assert len(message.model_dump_json().encode()) <= 64 * 1024, message.message_id
+    done = next(m for m in told if m.state == "done")
+    assert done.evidence is not None
+    assert done.evidence["truncated"] is True
+    assert done.evidence["charge_id"] == "ch_1"  # the first fields, the effect's name, stay
+    assert messages(journal, "big-1") == told  # bounded the same way every time (dedupe)
+
+
 def test_a_rejected_task_is_over() -> None:
     s = Stamper(TASK)
     (only,) = messages([s.rejected("tool not allowed: wire_money")], TASK)

@@ -14,6 +14,7 @@ message, byte for byte.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -24,6 +25,11 @@ from halfway.contract.ids import UNDO_SUFFIX
 from halfway.contract.outcomes import OutcomeChanged, about_key, message_id_for
 from halfway.core.fold import EffectState, StepState, StepStatus, TaskState, TaskStatus, apply
 from halfway.render import attention_words, step_line, undo_line
+
+# A message's free text and evidence are bounded, whatever the journal holds: the evidence as
+# the harness journals it (halfway.app: 16 KiB), the words as the longest sentence it writes.
+WORDS_CHARS_MAX = 4000
+EVIDENCE_BYTES_MAX = 16_384
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +57,32 @@ class Change:
             message_id=message_id_for(self.task_id, self.subject, self.step_id, seq), seq=seq,
             task_id=self.task_id, step_id=self.step_id, subject=self.subject,  # type: ignore[arg-type]
             state=self.state,  # type: ignore[arg-type]
-            words=self.words, evidence=self.evidence, reason=self.reason,
+            words=_cut(self.words, WORDS_CHARS_MAX), evidence=_bounded(self.evidence),
+            reason=None if self.reason is None else _cut(self.reason, WORDS_CHARS_MAX),
             reference=self.reference, next_check_at=self.next_check_at, at=self.at,
             finished=self.finished)
+
+
+def _cut(text: str, chars_max: int) -> str:
+    return text if len(text) <= chars_max else text[: chars_max - 1] + "…"
+
+
+def _bounded(evidence: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`evidence`, or its first fields that fit EVIDENCE_BYTES_MAX and `"truncated": true`:
+    a message must always fit the topic (the journal may hold up to a megabyte of it, from a
+    writer of its own), or it would be tried again forever and the task's news stop there."""
+    if evidence is None or _size(evidence) <= EVIDENCE_BYTES_MAX:
+        return evidence
+    kept: dict[str, Any] = {"truncated": True}
+    for key, value in evidence.items():
+        if _size({**kept, key: value}) > EVIDENCE_BYTES_MAX:
+            break
+        kept[key] = value
+    return kept
+
+
+def _size(value: Any) -> int:
+    return len(json.dumps(value, separators=(",", ":"), default=str).encode())
 
 
 def changes(before: TaskState | None, after: TaskState) -> list[Change]:
