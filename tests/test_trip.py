@@ -36,9 +36,11 @@ from halfway.contract import (
 )
 from halfway.contract.topics import JOURNAL
 from halfway.demo.trip import FULL_HOTEL, trip_request
+from halfway.journal import JournalWriter
 from halfway.journal.records import partition_of
 from halfway.resolve import ResolveRefused, os_user
 from halfway.settings import KafkaSettings
+from tests.factories import Stamper
 
 pytest.register_assert_rewrite("tests.processes")
 
@@ -384,3 +386,19 @@ async def test_the_client_calls_off_only_a_task_that_is_running(topics: KafkaSet
     async with HalfwayClient(topics) as client:
         with pytest.raises(ResolveRefused, match="has not started"):
             await client.abort_task(new_id("never-started"), "because")
+
+
+async def test_a_caller_calling_a_task_off_is_told_it_is_an_operators_act(
+        topics: KafkaSettings, writer: JournalWriter) -> None:
+    """Callers may only request tasks (their ACLs): the call-off is refused by the broker,
+    and the caller is told who may, not handed the broker's bare authorization error."""
+    task_id = new_id("running")
+    await writer.append(Stamper(task_id).started())
+    async with HalfwayClient(topics.as_kind("caller")) as client:
+        with pytest.raises(PermissionError, match="an operator's act"):
+            await client.abort_task(task_id, "the customer cancelled")
+        with pytest.raises(ValueError, match="is not a task id"):
+            await client.task_state("../" + task_id)
+    async with HalfwayClient(topics.as_kind("operator")) as operator:
+        aborted = await operator.abort_task(task_id, "the customer cancelled")
+    assert aborted.reason == "the customer cancelled"

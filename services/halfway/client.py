@@ -29,6 +29,7 @@ from pydantic import JsonValue, ValidationError
 
 from halfway import log
 from halfway.contract import TaskAborted, TaskPolicy, TaskRequested
+from halfway.contract.ids import TASK_ID_PATTERN, is_task_id
 from halfway.contract.outcomes import OutcomeChanged, parse_outcome
 from halfway.contract.topics import JOURNAL, OUTCOMES, TASKS
 from halfway.core.fold import TaskState, TaskStatus, apply
@@ -83,26 +84,45 @@ class HalfwayClient:
         """Call a started task off: no new step is decided, steps in flight settle, and a saga
         undoes what is done. Raises `halfway.resolve.ResolveRefused` if the task has not
         started, has finished, or was called off already."""
+        from aiokafka.errors import TopicAuthorizationFailedError
+
         from halfway.resolve import abort_task
 
-        return await abort_task(self.settings, task_id, reason=reason, by=by)
+        try:
+            return await abort_task(self.settings, task_id, reason=reason, by=by)
+        except TopicAuthorizationFailedError:
+            raise PermissionError(
+                f"the Kafka principal {self.settings.principal or '(none)'} may not journal "
+                "task.aborted: calling a task off is an operator's act (callers only request "
+                "tasks). Use HalfwayClient(KafkaSettings.from_env(\"operator\")), `halfway "
+                "abort`, or the API's POST /api/tasks/{task_id}/abort") from None
 
     def outcomes(self, task_id: str | None = None, *, from_beginning: bool = True,
                  ) -> OutcomeStream:
         """The outcomes topic as an async iterator: one task's messages (or every task's), in
         order, each message once. `from_beginning=False` starts at the end the topic has when
         the stream starts (`async with`, or the first `async for` step)."""
-        return OutcomeStream(self.settings, task_id, from_beginning=from_beginning)
+        return OutcomeStream(self.settings, None if task_id is None else _checked(task_id),
+                             from_beginning=from_beginning)
 
     async def task_state(self, task_id: str) -> TaskState:
         """The task's state, folded from its journal partition (no read model involved)."""
-        return await replay_task_state(self.settings, task_id)
+        return await replay_task_state(self.settings, _checked(task_id))
 
     async def wait_finished(self, task_id: str, timeout_s: float) -> TaskState:
         """The task's state once it is finished or rejected, read from the journal.
         TimeoutError after `timeout_s` (a task waiting for an operator does not finish)."""
+        task_id = _checked(task_id)
         async with asyncio.timeout(timeout_s):
             return await _follow_until_over(self.settings, task_id)
+
+
+def _checked(task_id: str) -> str:
+    """`task_id`, or ValueError: no task can have another id, so nothing is read for it."""
+    if not is_task_id(task_id):
+        raise ValueError(f"{task_id[:60]!r} is not a task id (it must match "
+                         f"{TASK_ID_PATTERN})")
+    return task_id
 
 
 class OutcomeStream:
