@@ -59,11 +59,17 @@ class FunctionTool:
     `.lookup` to declare how the harness asks the provider whether the effect exists."""
 
     def __init__(self, fn: Callable[..., Any], options: dict[str, Any]) -> None:
+        if not callable(fn):
+            raise TypeError(f"@app.tool decorates a function, not {type(fn).__name__}")
         self.fn = fn
-        self.name: str = options.pop("name") or fn.__name__
-        if TOOL_NAME.fullmatch(self.name) is None:
-            raise ValueError(f"tool name {self.name!r} must match {TOOL_NAME.pattern}")
-        self.description: str = (options.pop("description") or inspect.getdoc(fn) or "").strip()
+        self.name: str = options.pop("name") or getattr(fn, "__name__", "")
+        if not isinstance(self.name, str) or TOOL_NAME.fullmatch(self.name) is None:
+            raise ValueError(f"tool name {self.name!r:.80} must match {TOOL_NAME.pattern}")
+        description = options.pop("description") or inspect.getdoc(fn) or ""
+        if not isinstance(description, str):
+            raise TypeError(f"tool {self.name}: description must be a string, not "
+                            f"{type(description).__name__}")
+        self.description = description.strip()
         if not self.description:
             raise ValueError(f"tool {self.name}: give it a docstring (the model reads it) or a "
                              f"description")
@@ -79,8 +85,9 @@ class FunctionTool:
         return self.fn(*args, **kwargs)
 
     def lookup(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """Declare the lookup: same arguments as the tool (and `ctx`); returns the evidence if
-        the effect named by `ctx.key` exists, None if nothing is found."""
+        """Declare the lookup: same arguments as the tool (and `ctx`); returns the evidence (a
+        non-empty dict) if the effect named by `ctx.key` exists, None if nothing is found.
+        Anything else it returns is a failed lookup, which proves nothing."""
         params = inspect.signature(fn).parameters
         unknown = [p for p in params if p != CTX and p not in self.args_model.model_fields]
         if unknown:
@@ -98,7 +105,7 @@ class FunctionTool:
             role = SagaRole.COMPENSABLE  # declaring an undo is declaring it compensable
         return ToolSpec(
             name=self.name, description=self.description, args_model=self.args_model,
-            effect_class=EffectClass(o["effect"]), timeout_s=float(o["timeout_s"]),
+            effect_class=EffectClass(o["effect"]), timeout_s=o["timeout_s"],  # checked there
             subject=self._subject, key_ttl_s=o["key_ttl_s"],
             key_ttl_margin_s=o["key_ttl_margin_s"],
             has_lookup=self.adapter.lookup_fn is not None,
@@ -115,8 +122,11 @@ class App:
 
     def __init__(self, name: str, instructions: str = "", *, model: Model | None = None
                  ) -> None:
-        if APP_NAME.fullmatch(name) is None:
-            raise ValueError(f"app name {name!r} must match {APP_NAME.pattern}")
+        if not isinstance(name, str) or APP_NAME.fullmatch(name) is None:
+            raise ValueError(f"app name {name!r:.80} must match {APP_NAME.pattern}")
+        if not isinstance(instructions, str):
+            raise TypeError(f"app {name}: instructions must be a string (the system prompt), "
+                            f"not {type(instructions).__name__}")
         self.name = name
         self.instructions = instructions
         self.model = model
@@ -299,7 +309,15 @@ def _subject_of(subject: str | Callable[[Any], str | None] | None, tool: str,
         return lambda _args: None
     if callable(subject):
         return subject
-    names = {field for _, field, _, _ in string.Formatter().parse(subject) if field}
+    if not isinstance(subject, str):
+        raise TypeError(f"tool {tool}: subject must be a template such as \"ticket:{{ref}}\" "
+                        f"or a function of the arguments, not {type(subject).__name__}")
+    try:
+        names = {field for _, field, _, _ in string.Formatter().parse(subject)
+                 if field is not None}  # "" is a positional field, which no argument fills
+    except ValueError as exc:  # an unmatched brace
+        raise ValueError(f"tool {tool}: subject {subject!r:.80} is not a template: {exc}"
+                         ) from None
     missing = sorted(names - set(args_model.model_fields))
     if missing:
         raise ValueError(f"tool {tool}: subject {subject!r} names {missing}, which are not "

@@ -65,10 +65,17 @@ class StepPolicy:
     send_window_s: float = SEND_WINDOW_S
 
     def __post_init__(self) -> None:
-        assert self.effect_class is not EffectClass.KEYED or self.key_ttl_s, "keyed needs a ttl"
-        assert self.attempts_max >= 1
-        assert self.read_attempts_max >= 1
-        assert self.check_delays_s, "a schedule of lookups needs at least one delay"
+        # Raised, not asserted (`python -O` drops asserts), each saying what is wrong; a tool's
+        # declaration is checked in full earlier, by its ToolSpec.
+        if self.effect_class is EffectClass.KEYED and not self.key_ttl_s:
+            raise ValueError("a keyed tool's policy needs key_ttl_s")
+        if not self.attempts_max >= 1:  # `not >=`: NaN fails too
+            raise ValueError(f"attempts_max must be at least 1, not {self.attempts_max!r}")
+        if not self.read_attempts_max >= 1:
+            raise ValueError(f"read_attempts_max must be at least 1, not "
+                             f"{self.read_attempts_max!r}")
+        if not self.check_delays_s:
+            raise ValueError("a schedule of lookups needs at least one delay")
 
 
 @dataclass(frozen=True, slots=True)

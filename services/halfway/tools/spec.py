@@ -163,11 +163,78 @@ class ToolSpec:
                          once_per_subject=self.once_per_subject)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"a tool's name must be a non-empty string, not {self.name!r:.40}")
         if self.effect_class is EffectClass.KEYED and not self.key_ttl_s:
             raise ValueError(f"tool {self.name}: a keyed tool must declare key_ttl_s")
         if self.saga_role is SagaRole.COMPENSABLE and self.undo is None:
             raise ValueError(f"tool {self.name}: a compensable tool must declare its undo")
         if self.undo is not None and self.saga_role is not SagaRole.COMPENSABLE:
             raise ValueError(f"tool {self.name}: only a compensable tool declares an undo")
-        if self.timeout_s <= 0:
-            raise ValueError(f"tool {self.name}: timeout_s must be positive")
+        self._check_bounds()
+        object.__setattr__(self, "timeout_s", float(self.timeout_s))
+
+    def _check_bounds(self) -> None:
+        # Every number is checked here, where the tool is declared: NaN, inf, a string or a
+        # negative window would otherwise misbehave at run time (a negative completes_within_s
+        # "proves" a charge not done, and a retry charges twice).
+        tool = self.name
+        _seconds(tool, "timeout_s", self.timeout_s, 0.0, TIMEOUT_MAX_S, above=True)
+        if self.key_ttl_s is not None:
+            _seconds(tool, "key_ttl_s", self.key_ttl_s, KEY_TTL_MIN_S, WINDOW_MAX_S)
+        if self.key_ttl_margin_s is not None:
+            if self.key_ttl_s is None:
+                raise ValueError(f"tool {tool}: key_ttl_margin_s needs key_ttl_s")
+            _seconds(tool, "key_ttl_margin_s", self.key_ttl_margin_s, 0.0, WINDOW_MAX_S)
+            if self.key_ttl_margin_s >= self.key_ttl_s:
+                raise ValueError(f"tool {tool}: key_ttl_margin_s ({self.key_ttl_margin_s:g} s) "
+                                 f"must be less than key_ttl_s ({self.key_ttl_s:g} s)")
+        if self.completes_within_s is not None:
+            # 0 would let an empty lookup at the attempt's own moment prove it not done.
+            _seconds(tool, "completes_within_s", self.completes_within_s, 0.0, WINDOW_MAX_S,
+                     above=True)
+        _count(tool, "attempts", self.attempts_max)
+        _count(tool, "read_attempts", self.read_attempts_max)
+        if not isinstance(self.once_per_subject, bool):
+            raise TypeError(f"tool {tool}: once_per_subject must be True or False, not "
+                            f"{type(self.once_per_subject).__name__}")
+        if self.evidence_id is not None and (
+                not isinstance(self.evidence_id, str) or not self.evidence_id.strip()
+                or len(self.evidence_id) > EVIDENCE_ID_CHARS_MAX):
+            raise ValueError(f"tool {tool}: evidence_id must name a field of the evidence (a "
+                             f"non-blank string of at most {EVIDENCE_ID_CHARS_MAX} characters)")
+
+
+TIMEOUT_MAX_S = 86_400.0  # one attempt longer than a day is a mistake
+KEY_TTL_MIN_S = 1.0  # a provider that remembers a key for less is not deduping
+WINDOW_MAX_S = 366 * 86_400.0  # of key_ttl_s, its margin and completes_within_s: a year
+ATTEMPTS_MAX = 1_000  # of attempts and read_attempts
+EVIDENCE_ID_CHARS_MAX = 255
+
+
+def _seconds(tool: str, name: str, value: object, least: float, most: float, *,
+             above: bool = False) -> None:
+    """`value` is a number of seconds from `least` (excluded if `above`) to `most`: a bool is
+    not a number, and NaN fails every comparison."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"tool {tool}: {name} must be a number of seconds, not "
+                        f"{type(value).__name__}")
+    if not ((value > least if above else value >= least) and value <= most):
+        raise ValueError(f"tool {tool}: {name} must be {'more than' if above else 'at least'} "
+                         f"{least:g} and at most {most:.0f} s, not {_shown(value)}")
+
+
+def _count(tool: str, name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"tool {tool}: {name} must be a whole number, not "
+                        f"{type(value).__name__}")
+    if not 1 <= value <= ATTEMPTS_MAX:
+        raise ValueError(f"tool {tool}: {name} must be from 1 to {ATTEMPTS_MAX}, not "
+                         f"{_shown(value)}")
+
+
+def _shown(value: object) -> str:
+    try:
+        return f"{value!r:.40}"
+    except Exception:  # an int too long to print, say
+        return type(value).__name__
