@@ -29,6 +29,7 @@ from halfway.api import app as api_app
 from halfway.api import operate
 from halfway.api.auth import host_name
 from halfway.contract import Outcome
+from tests.test_api import next_event
 from tests.test_operator_api import NOWHERE_KAFKA, NOWHERE_PG, OPS, TOKENS, bearer, serving
 
 WAIT_S = 60.0
@@ -218,16 +219,6 @@ async def served_as_in_production() -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
         await runner.cleanup()
-
-
-async def next_event(response: aiohttp.ClientResponse) -> str:
-    async with asyncio.timeout(WAIT_S):
-        while True:
-            line = (await response.content.readline()).decode()
-            if not line:
-                raise AssertionError("the event stream ended")
-            if line.startswith("event: "):
-                return line.removeprefix("event: ").strip()
 
 
 async def test_a_closed_stream_frees_its_slot_at_once() -> None:

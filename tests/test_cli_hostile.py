@@ -28,10 +28,13 @@ EXIT_WAIT_S = 30.0  # a command that got as far as the broker (there is none) wa
 NO_BROKER = {"HALFWAY_KAFKA_BOOTSTRAP": "127.0.0.1:9"}
 
 
-async def halfway(*args: str | bytes, env: dict[str, str] | None = None) -> tuple[int, str]:
-    """`halfway ARGS` (bytes: an argument that is not UTF-8): (exit code, stderr)."""
+async def halfway(*args: str | bytes, env: dict[str, str] | None = None,
+                  environ: dict[str, str] | None = None) -> tuple[int, str]:
+    """`halfway ARGS` (bytes: an argument that is not UTF-8): (exit code, stderr). `env`: over
+    this process's environment; `environ`: the whole environment instead."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "halfway", *args, env=dict(os.environ) | (env or {}),
+        sys.executable, "-m", "halfway", *args,
+        env=environ if environ is not None else dict(os.environ) | (env or {}),
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE)
     try:
@@ -194,20 +197,8 @@ async def run_gateway(environ: dict[str, str]) -> tuple[int, str]:
     """`halfway run gateway` with a usable secret and exactly this configuration besides."""
     base = {k: v for k, v in os.environ.items()
             if not k.startswith("HALFWAY_") or k in ("HALFWAY_HOME",)}
-    env = base | NO_BROKER | {"HALFWAY_PAYSIM_WEBHOOK_SECRET": "whsec_hostile",
-                              "HALFWAY_LOG_FORMAT": "json"} | environ
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "halfway", "run", "gateway", env=env,
-        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE)
-    try:
-        _, err = await asyncio.wait_for(proc.communicate(), EXIT_WAIT_S)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise AssertionError("the gateway did not exit: it went on to the broker") from None
-    assert proc.returncode is not None
-    return proc.returncode, err.decode(errors="replace")
+    return await halfway("run", "gateway", environ=base | NO_BROKER | {
+        "HALFWAY_PAYSIM_WEBHOOK_SECRET": "whsec_hostile", "HALFWAY_LOG_FORMAT": "json"} | environ)
 
 
 def plain_line(err: str) -> str:
