@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import json
 import re
 import signal
-import socket
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
@@ -53,6 +51,7 @@ from halfway.api.http import (
     require,
 )
 from halfway.contract.ids import is_task_id
+from halfway.listening import CannotListen, authority, bound_socket
 from halfway.settings import KafkaSettings, api_host, api_port, pg_dsn, pg_schema
 
 POLL_S = 0.5
@@ -74,10 +73,6 @@ LIMIT_TEXT = re.compile(r"[0-9]{1,6}")
 _MISSING = (asyncpg.UndefinedTableError, asyncpg.InvalidSchemaNameError)
 # What "the database cannot answer" looks like: refused, timed out, or a server error.
 _UNAVAILABLE = (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError)
-# What to change when the socket cannot be bound, by errno (else: the host).
-_BIND_FIXES = {errno.EADDRINUSE: "HALFWAY_API_PORT to a free port (0: any)",
-               errno.EACCES: "HALFWAY_API_PORT to another port"}
-
 _Stream = tuple[str, asyncio.BaseTransport | None]  # whose, and the connection it goes to
 
 
@@ -366,8 +361,11 @@ async def serve_api(host: str | None = None, port: int | None = None) -> None:
         # The API writes as its own Kafka principal: requests and operator events only.
         kafka = KafkaSettings.from_env("api")
         dsn, schema = pg_dsn(), _schema_from_env()
-        sock = await _listen(host, api_port() if port is None else port)
-    except (ApiConfigError, ValueError) as exc:  # ValueError: SettingsError names the variable
+        sock = await bound_socket(host, api_port() if port is None else port,
+                                  host_setting="HALFWAY_API_HOST",
+                                  port_setting="HALFWAY_API_PORT")
+    # ValueError: SettingsError names the variable; CannotListen the one to change.
+    except (ApiConfigError, ValueError, CannotListen) as exc:
         logger.error("api not started", reason=str(exc))
         print(f"halfway api: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -376,7 +374,7 @@ async def serve_api(host: str | None = None, port: int | None = None) -> None:
     await runner.setup()
     try:
         await web.SockSite(runner, sock).start()
-        url = f"http://{_authority(host, sock.getsockname()[1])}"
+        url = f"http://{authority(host, sock.getsockname()[1])}"
         print(f"listening on {url}", flush=True)  # the one line a parent process reads
         access = app[ACCESS]
         logger.info("api listening", url=url, schema=app[API].schema,
@@ -397,37 +395,6 @@ def _schema_from_env() -> str:
         return queries.checked_schema(pg_schema())
     except ValueError as exc:
         raise ApiConfigError(f"HALFWAY_PG_SCHEMA: {exc}") from None
-
-
-def _authority(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-async def _listen(host: str, port: int) -> socket.socket:
-    """A socket bound to `host`:`port`, of the host's address family (IPv4 first when a name
-    has both, as ever). Our own socket, so that with port 0 we can read back the port the
-    kernel chose. ApiConfigError, naming the variable to change, when it cannot be bound."""
-    try:
-        found = await asyncio.get_running_loop().getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except (socket.gaierror, UnicodeError) as exc:  # UnicodeError: not a name (idna)
-        why = exc.strerror if isinstance(exc, OSError) else "not a host name"
-        raise ApiConfigError(f"HALFWAY_API_HOST: cannot listen on {host[:100]!r}: {why}"
-                             ) from None
-    family, kind, proto, _, address = min(found, key=lambda a: a[0] != socket.AF_INET)
-    try:
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(address)
-        except OSError:
-            sock.close()
-            raise
-    except OSError as exc:
-        change = _BIND_FIXES.get(exc.errno, "HALFWAY_API_HOST to an address of this machine")
-        raise ApiConfigError(f"cannot listen on {_authority(host, port)}: {exc.strerror}; "
-                             f"set {change}") from None
-    return sock
 
 
 def access_from_env(host: str) -> dict[str, Any]:

@@ -39,12 +39,10 @@ topic is at-least-once, and downstream (the reconciler) dedupes by `provider_eve
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import math
 import re
 import signal
-import socket
 import sys
 import time
 from collections import OrderedDict
@@ -69,6 +67,7 @@ from halfway.journal import JournalWriter
 from halfway.journal.admin import ensure_topics_once_up, topic_partitions
 from halfway.journal.limits import WRITER_RECORD_BYTES_MAX
 from halfway.journal.records import InvalidRecord, decode_webhook, describe, partition_of
+from halfway.listening import CannotListen, authority, bound_socket, why_not
 from halfway.settings import KafkaSettings, gateway_host, gateway_port
 from halfway.webhooks import delivery, mapping, providers, standard
 from halfway.webhooks.delivery import Delivery
@@ -481,15 +480,11 @@ async def serve_gateway(host: str | None = None, port: int | None = None) -> Non
         logger.info("webhook provider not served", why=why)
     host = host or gateway_host()
     port = gateway_port() if port is None else port
-    # Our own socket, so that with port 0 we can read back the port the kernel chose; bound
-    # first, so a port in use stops the start before the broker is waited for.
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # Bound first, so a port in use stops the start before the broker is waited for.
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError as exc:  # in use, not ours, or a host that does not resolve (gaierror)
-        sock.close()
-        _not_started(logger, _cannot_listen(host, port, exc))
+        sock = await bound_socket(host, port, **_SETTINGS)
+    except CannotListen as exc:
+        _not_started(logger, str(exc))
     settings = KafkaSettings.from_env("gateway")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -505,8 +500,8 @@ async def serve_gateway(host: str | None = None, port: int | None = None) -> Non
                 try:
                     await web.SockSite(runner, sock).start()
                 except OSError as exc:  # listen(): another process took the port since
-                    _not_started(logger, _cannot_listen(host, port, exc))
-                url = f"http://{host}:{sock.getsockname()[1]}"
+                    _not_started(logger, why_not(host, port, exc, **_SETTINGS))
+                url = f"http://{authority(host, sock.getsockname()[1])}"
                 print(f"listening on {url}", flush=True)  # the one line a parent process reads
                 logger.info("gateway listening", url=url, providers=sorted(loaded.providers),
                             topic=WEBHOOKS.name(settings.topic_prefix))
@@ -516,10 +511,7 @@ async def serve_gateway(host: str | None = None, port: int | None = None) -> Non
     logger.info("gateway stopped")
 
 
-def _cannot_listen(host: str, port: int, exc: OSError) -> str:
-    fix = ("HALFWAY_GATEWAY_PORT to a free port" if exc.errno in (errno.EADDRINUSE, errno.EACCES)
-           else "HALFWAY_GATEWAY_HOST to an address of this machine")
-    return f"cannot listen on {host}:{port}: {exc.strerror or exc}; set {fix}"
+_SETTINGS = {"host_setting": "HALFWAY_GATEWAY_HOST", "port_setting": "HALFWAY_GATEWAY_PORT"}
 
 
 def _not_started(logger: FilteringBoundLogger, reason: str) -> NoReturn:
