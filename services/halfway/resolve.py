@@ -40,7 +40,7 @@ from halfway.journal.replay import task_state
 from halfway.settings import KafkaSettings
 
 BY_CHARS_MAX = 200
-REASON_CHARS_MAX = 2000  # the API's bound on a reason too (halfway.api.bodies)
+REASON_CHARS_MAX = 2000  # an operator's reason, here and in the API (halfway.api.bodies)
 E = TypeVar("E", StepSettled, TaskAborted)
 
 

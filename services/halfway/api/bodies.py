@@ -14,8 +14,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, mo
 
 from halfway.contract import TaskPolicy
 from halfway.contract.events import StepId, TaskId
+from halfway.resolve import REASON_CHARS_MAX  # the command line's bound, the same act
 
-REASON_CHARS_MAX = 2000
 TOOL_NAME_CHARS_MAX = 200
 ALLOWED_TOOLS_MAX = 100
 EVIDENCE_FIELDS_MAX = 50
