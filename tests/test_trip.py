@@ -391,7 +391,8 @@ async def test_the_client_calls_off_only_a_task_that_is_running(topics: KafkaSet
 async def test_a_caller_calling_a_task_off_is_told_it_is_an_operators_act(
         topics: KafkaSettings, writer: JournalWriter) -> None:
     """Callers may only request tasks (their ACLs): the call-off is refused by the broker,
-    and the caller is told who may, not handed the broker's bare authorization error."""
+    and the caller is told who may, not handed the broker's bare authorization error. A
+    request the API would refuse is refused by the client too, before it is sent."""
     task_id = new_id("running")
     await writer.append(Stamper(task_id).started())
     async with HalfwayClient(topics.as_kind("caller")) as client:
@@ -399,6 +400,10 @@ async def test_a_caller_calling_a_task_off_is_told_it_is_an_operators_act(
             await client.abort_task(task_id, "the customer cancelled")
         with pytest.raises(ValueError, match="is not a task id"):
             await client.task_state("../" + task_id)
+        # The API's check: the journal would keep NaN as null, a value the caller never sent.
+        with pytest.raises(ValueError, match=r"not JSON numbers \(at cart\[1\]\.cents\)"):
+            await client.start_task(new_id("nan"), {"cart": [{}, {"cents": float("nan")}]},
+                                    ["charge_customer"])
     async with HalfwayClient(topics.as_kind("operator")) as operator:
         aborted = await operator.abort_task(task_id, "the customer cancelled")
     assert aborted.reason == "the customer cancelled"

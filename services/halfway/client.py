@@ -33,6 +33,7 @@ from halfway.contract.ids import TASK_ID_PATTERN, is_task_id
 from halfway.contract.outcomes import OutcomeChanged, parse_outcome
 from halfway.contract.topics import JOURNAL, OUTCOMES, TASKS
 from halfway.core.fold import TaskState, TaskStatus, apply
+from halfway.finite import refuse_non_finite
 from halfway.journal import JournalWriter
 from halfway.journal.admin import topic_partitions
 from halfway.journal.limits import fetch_limits
@@ -71,9 +72,11 @@ class HalfwayClient:
                          allowed_tools: list[str], policy: TaskPolicy | None = None,
                          ) -> TaskRequested:
         """Ask for a task. Requesting the same task id again starts it once (the first request
-        counts). Returns once the broker has the request."""
+        counts). Returns once the broker has the request. ValueError if a number in `input`
+        is NaN or infinite (not JSON)."""
         if self._writer is None:
             raise RuntimeError("use the client as `async with HalfwayClient() as client:`")
+        refuse_non_finite(input)  # the API's check: the journal would keep NaN as null
         # Stamped once: a retried send carries the same event id and time.
         request = TaskRequested(**stamp(task_id), input=input, allowed_tools=allowed_tools,
                                 policy=policy or TaskPolicy())

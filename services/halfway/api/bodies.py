@@ -7,13 +7,13 @@ same classes (`halfway.api.openapi`), so the document cannot drift from what is 
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Literal, Self
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, model_validator
 
 from halfway.contract import TaskPolicy
 from halfway.contract.events import StepId, TaskId
+from halfway.finite import refuse_non_finite
 from halfway.resolve import REASON_CHARS_MAX  # the command line's bound, the same act
 
 TOOL_NAME_CHARS_MAX = 200
@@ -24,26 +24,7 @@ Reason = Annotated[str, Field(min_length=1, max_length=REASON_CHARS_MAX,
                               pattern=r"\S", description="In words the journal keeps.")]
 
 
-PATH_CHARS_MAX = 200  # where a bad number is, in a refusal (keys may be long)
-
-
-def _finite(value: JsonValue) -> JsonValue:
-    """`value`, if no number in it is NaN or infinite. pydantic's JSON parser reads NaN and
-    Infinity, and 1e999 as inf; the journal would keep each as null."""
-    todo: list[tuple[str, JsonValue]] = [("", value)]
-    while todo:
-        path, item = todo.pop()
-        if isinstance(item, float) and not math.isfinite(item):
-            raise ValueError("NaN, Infinity and numbers beyond ±1.8e308 are not JSON numbers"
-                             + (f" (at {path[:PATH_CHARS_MAX]})" if path else ""))
-        if isinstance(item, dict):
-            todo.extend((f"{path}.{k}" if path else k, v) for k, v in item.items())
-        elif isinstance(item, list):
-            todo.extend((f"{path}[{i}]", v) for i, v in enumerate(item))
-    return value
-
-
-FiniteJson = Annotated[JsonValue, AfterValidator(_finite)]
+FiniteJson = Annotated[JsonValue, AfterValidator(refuse_non_finite)]
 
 
 class _Body(BaseModel):
