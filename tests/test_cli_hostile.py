@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from halfway.contract import FinalState, Outcome
-from halfway.core.decide import Finish, decide
+from halfway.core.decide import Finish, decide, finish_for
 from halfway.core.fold import fold
 from halfway.journal import JournalWriter
 from halfway.models import ModelUnavailable, ProposeFinish, ScriptedModel, history_of
@@ -279,16 +279,20 @@ async def test_a_malformed_script_fails_the_task_at_once_saying_why(script: Any)
     assert "input.script" in move.summary
 
 
-async def test_the_scripted_models_own_summary_does_not_say_done_after_a_step_that_was_not(
+async def test_a_model_that_says_nothing_at_the_end_is_not_taken_to_say_done(
         ) -> None:
+    """A finish without words (the scripted model without `input.summary`, a real model's
+    empty text) is worded by the decider from the facts: never "done" for a failed task."""
     s = Stamper("script-2")
     step = {"tool": "charge_customer", "args": {"invoice": "INV-2291", "amount_cents": 4900}}
     log = [s.started(input={"script": [step]}), s.intended(1),
            s.settled(1, Outcome.NOT_DONE, reason="card declined")]
     finish = await ScriptedModel().decide(history_of(fold(log), 2, []))
-    assert finish == ProposeFinish("step script-2:1 (charge_customer) was not done")
+    assert finish == ProposeFinish("")
+    assert finish_for(fold(log), " \n") == Finish(
+        FinalState.FAILED, "step script-2:1 (charge_customer) was not done: card declined")
     done = [*log[:2], s.settled(1, Outcome.DONE, evidence={"charge_id": "ch_1"})]
-    assert await ScriptedModel().decide(history_of(fold(done), 2, [])) == ProposeFinish("done")
+    assert finish_for(fold(done), "") == Finish(FinalState.SUCCEEDED, "done")
 
 
 # --- a broker or a database that does not answer --------------------------------------------------

@@ -425,7 +425,8 @@ def test_a_final_text_is_the_summary() -> None:
     usage = {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}
     assert proposal_of(completion({"content": "  Renewed.  "}, usage=usage)) == ProposeFinish(
         "Renewed.", Usage(12, 3))
-    assert proposal_of(completion({"content": ""})) == ProposeFinish("done")
+    # No text: the decider words the end from the facts (finish_for), never "done" blindly.
+    assert proposal_of(completion({"content": " "})) == ProposeFinish("")
     long = proposal_of(completion({"content": "x" * 5000}))
     assert isinstance(long, ProposeFinish)
     assert len(long.summary) == SUMMARY_CHARS_MAX

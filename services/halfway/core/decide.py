@@ -339,16 +339,20 @@ def args_bytes(args: Any) -> int:
 
 def finish_for(state: TaskState, summary: str) -> Finish:
     """How a task the model says is finished (`summary`: the model's words) ends: as its last
-    step went; a saga whose last step, past the pivot, was not done needs a person."""
+    step went; a saga whose last step, past the pivot, was not done needs a person. A model
+    that says nothing gets words from the facts: never "done" for a task that failed."""
+    summary = summary.strip()
     last = state.steps[max(state.steps)] if state.steps else None
     if last is None or last.outcome is not Outcome.NOT_DONE:
-        return Finish(FinalState.SUCCEEDED, summary)
+        return Finish(FinalState.SUCCEEDED, summary or "done")
     settlement = last.effect.settlement
-    stranded = saga.stranded(state, f"step {last.step_id} ({last.intent.tool}) was not done: "
-                                    f"{settlement.reason if settlement else None}")
+    not_done = (f"step {last.step_id} ({last.intent.tool}) was not done: "
+                f"{settlement.reason if settlement else None}")
+    stranded = saga.stranded(state, not_done)
     if stranded is not None:
-        return Finish(FinalState.NEEDS_ATTENTION, f"{stranded} (the model said: {summary})")
-    return Finish(FinalState.FAILED, summary)
+        return Finish(FinalState.NEEDS_ATTENTION,
+                      f"{stranded} (the model said: {summary})" if summary else stranded)
+    return Finish(FinalState.FAILED, summary or not_done)
 
 
 @dataclass(frozen=True, slots=True)

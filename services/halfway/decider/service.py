@@ -487,7 +487,7 @@ class Decider:
             state = self._state(task_id)
         decided_by = self._decided_by(proposal.usage)
         if isinstance(proposal, ProposeFinish):
-            end = finish_for(state, proposal.summary[:ERROR_CHARS_MAX] or "done")
+            end = finish_for(state, proposal.summary[:ERROR_CHARS_MAX])
             await self._write(TaskFinished(**stamp(task_id), state=end.state,
                                            summary=end.summary[:ERROR_CHARS_MAX],
                                            decided_by=decided_by), carry)

@@ -233,8 +233,9 @@ def proposal_of(response: Any) -> Proposal:
         raise _no_answer(f"the model's answer has neither a tool call nor a final text "
                          f"(finish_reason {finish_reason!r})")
     content = getattr(message, "content", None)
+    # No text: the decider words the end from the facts (never "done" for a failed task).
     summary = content.strip() if isinstance(content, str) else ""
-    return ProposeFinish(summary=(summary or "done")[:SUMMARY_CHARS_MAX], usage=usage)
+    return ProposeFinish(summary=summary[:SUMMARY_CHARS_MAX], usage=usage)
 
 
 # --- failures ------------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """A deterministic scripted model: the embedded default for demos and tests.
 
 It follows the task's input: `input["script"]` is a list of steps `{"tool", "args"}`; after
-the last one it finishes with `input.get("summary")` (by default "done", or which step was not
-done when the last one was not). A task without a script, or with one that is not such a
-list, is a permanent model failure (the task fails at once, saying why), never a success with
-no step nor a question asked again.
+the last one it finishes with `input.get("summary")` (without one, the decider words the end
+from the facts: "done", or which step was not done when the last one was not). A task
+without a script, or with one that is not such a list, is a permanent model failure (the task
+fails at once, saying why), never a success with no step nor a question asked again.
 
 It behaves like a real model in the one way that matters here: asked twice for the same step
 it answers differently (a step may carry `"reask_args"`, merged over `args` on every ask after
@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 from halfway import settings
-from halfway.core.fold import StepStatus
 from halfway.models.base import (
     History,
     ModelUnavailable,
@@ -88,7 +87,8 @@ class ScriptedModel:
         script = _checked(history.input["script"])
         asked_before = self.times_asked(history.task_id, history.n)
         if history.n > len(script):
-            summary = str(history.input.get("summary", _default_summary(history)))
+            # No summary in the input: the decider words the end from the facts.
+            summary = str(history.input.get("summary", ""))
             self._record(history.task_id, history.n, {"finish": summary})
             return ProposeFinish(summary)
         entry = script[history.n - 1]
@@ -125,12 +125,3 @@ def _step_problem(entry: Any) -> str | None:
     if isinstance(delay, bool) or not isinstance(delay, int | float) or not math.isfinite(delay):
         return "has a second_ask_delay_s that is not a number of seconds"
     return None
-
-
-def _default_summary(history: History) -> str:
-    """What the task came to, when the script does not say: not "done" after a step that was
-    not (the task then fails, and its summary must not claim otherwise)."""
-    last = history.steps[-1] if history.steps else None
-    if last is not None and last.status == StepStatus.NOT_DONE:
-        return f"step {last.step_id} ({last.tool}) was not done"
-    return "done"
