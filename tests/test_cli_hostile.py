@@ -229,6 +229,22 @@ async def test_the_gateway_names_a_host_that_does_not_resolve() -> None:
     assert line.endswith("set HALFWAY_GATEWAY_HOST to an address of this machine"), line
 
 
+@pytest.mark.parametrize("simulator", ["sim", "tripsim", "modelsim"])
+async def test_a_simulator_names_the_option_to_change_when_it_cannot_listen(
+        simulator: str) -> None:
+    code, err = await halfway(simulator, "--host", "not.a.host.invalid", "--port", "0")
+    assert code == 2, err
+    assert err.startswith("cannot listen on not.a.host.invalid:0: "), err
+    assert err.endswith("set --host to an address of this machine\n"), err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, err = await halfway(simulator, "--port", str(port))
+    assert (code, err) == (2, f"cannot listen on 127.0.0.1:{port}: Address already in use; "
+                              "set --port to a free port\n")
+
+
 async def test_the_gateway_says_a_missing_secret_in_a_plain_line_too() -> None:
     code, err = await run_gateway({"HALFWAY_PAYSIM_WEBHOOK_SECRET": ""})
     assert code == 2, err

@@ -29,7 +29,7 @@ import json
 import random
 import secrets
 import signal
-import socket
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -38,6 +38,8 @@ from typing import Any, Literal
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from halfway.listening import CannotListen, authority, bound_socket
 
 HOST = "127.0.0.1"
 KEY_TTL_S_DEFAULT = 86_400.0  # Stripe API v1 keeps keys at least 24 h (Resend: 24 h)
@@ -533,20 +535,23 @@ def new_app(provider: Provider, simulator: Simulator) -> web.Application:
 
 
 async def start(app: web.Application, host: str, port: int) -> tuple[str, web.AppRunner]:
-    """Serve `app` on this event loop: (base URL, its runner; `runner.cleanup()` stops it)."""
-    # Our own socket, so that with port 0 we can read back the port the kernel chose.
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    """Serve `app` on this event loop: (base URL, its runner; `runner.cleanup()` stops it).
+    CannotListen, naming `--host` or `--port`, when the address cannot be listened on."""
+    sock = await bound_socket(host, port, host_setting="--host", port_setting="--port")
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     await web.SockSite(runner, sock, backlog=BACKLOG).start()
-    return f"http://{host}:{sock.getsockname()[1]}", runner
+    return f"http://{authority(host, sock.getsockname()[1])}", runner
 
 
-async def serve(make_app: Callable[[], web.Application], host: str, port: int) -> None:
-    """Serve the app `make_app` makes (on the running loop) until SIGTERM or SIGINT."""
-    url, runner = await start(make_app(), host, port)
+async def serve(make_app: Callable[[], web.Application], host: str, port: int) -> int:
+    """Serve the app `make_app` makes (on the running loop) until SIGTERM or SIGINT; the exit
+    code (2, said in one line, when the address cannot be listened on)."""
+    try:
+        url, runner = await start(make_app(), host, port)
+    except CannotListen as exc:
+        print(exc, file=sys.stderr, flush=True)
+        return 2
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -556,6 +561,7 @@ async def serve(make_app: Callable[[], web.Application], host: str, port: int) -
         await stop.wait()
     finally:
         await runner.cleanup()
+    return 0
 
 
 def arg_parser(prog: str, description: str) -> argparse.ArgumentParser:

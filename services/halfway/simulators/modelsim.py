@@ -745,8 +745,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sim = ModelSim(api_key=args.api_key, models=models)
     except ValueError as exc:
         parser.error(str(exc))
-    asyncio.run(keyed.serve(sim.make_app, args.host, args.port))
-    return 0
+    return asyncio.run(keyed.serve(sim.make_app, args.host, args.port))
 
 
 if __name__ == "__main__":

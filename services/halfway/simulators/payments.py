@@ -1087,11 +1087,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--webhook-secret must not be empty")
     if args.api_key is not None and not args.api_key:
         parser.error("--api-key must not be empty")
-    asyncio.run(keyed.serve(lambda: make_app(args.key_ttl_s, webhook_url=args.webhook_url,
-                                             webhook_secret=args.webhook_secret,
-                                             api_key=args.api_key),
-                            args.host, args.port))
-    return 0
+    return asyncio.run(keyed.serve(lambda: make_app(args.key_ttl_s,
+                                                    webhook_url=args.webhook_url,
+                                                    webhook_secret=args.webhook_secret,
+                                                    api_key=args.api_key),
+                                   args.host, args.port))
 
 
 if __name__ == "__main__":

@@ -571,8 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = keyed.arg_parser("python -m halfway.simulators.travel",
                         "A flights, hotels and email provider simulator (tripsim).")
     args = keyed.parse_args(parser, argv)
-    asyncio.run(keyed.serve(lambda: make_app(args.key_ttl_s), args.host, args.port))
-    return 0
+    return asyncio.run(keyed.serve(lambda: make_app(args.key_ttl_s), args.host, args.port))
 
 
 if __name__ == "__main__":
