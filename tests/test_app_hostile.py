@@ -19,7 +19,7 @@ from halfway import App, Refused
 from halfway.app.functions import EVIDENCE_BYTES_MAX, FIELDS_KEPT_MAX, evidence_of
 from halfway.contract import EffectClass, Outcome
 from halfway.core.args import parse_args
-from halfway.core.classify import ToolRefused, Unexpected, classify
+from halfway.core.classify import TimedOut, ToolRefused, Unexpected, classify
 from halfway.core.next_action import StepPolicy
 from halfway.tools.spec import CallContext, Found, LookupFailed, NotFound, Succeeded, ToolSpec
 
@@ -136,6 +136,40 @@ async def test_a_cancelled_error_raised_by_a_tool_goes_through() -> None:
         await adapter.call(args, ctx())
     with pytest.raises(asyncio.CancelledError):
         await adapter.lookup(args, ctx())
+
+
+@pytest.mark.parametrize("way_out", ["returns", "refuses"])
+async def test_what_a_tool_says_after_swallowing_its_timeout_is_no_proof(way_out: str) -> None:
+    """A tool (or lookup) that catches our timeout's cancellation and answers anyway: its
+    value is not done, its refusal not "not done" (the request may be out): it timed out."""
+    app = App(name="hostile")
+
+    async def answer_when_cancelled() -> dict[str, Any]:
+        try:
+            await asyncio.Event().wait()  # never set: only our timeout ends it
+        except BaseException:  # the cancellation, swallowed
+            if way_out == "refuses":
+                raise Refused("declined") from None
+        return {"charge_id": "ch_made_up"}
+
+    @app.tool(effect="keyed", key_ttl_s=3600, timeout_s=0.05)
+    async def act(n: int) -> object:
+        """Do it."""
+        return await answer_when_cancelled()
+
+    @act.lookup
+    async def find(n: int) -> object:
+        return await answer_when_cancelled()
+
+    tool = app.registry().get("act")
+    assert tool is not None
+    args, short = parse_args(tool.spec.args_model, {"n": 1}), ctx(timeout_s=0.05)
+    called = await tool.adapter.call(args, short)
+    assert isinstance(called, TimedOut), called
+    assert classify(called, attempt=1).outcome is Outcome.UNKNOWN
+    looked = await tool.adapter.lookup(args, short)
+    assert isinstance(looked, LookupFailed), looked
+    assert "longer than 0.05 s" in looked.detail
 
 
 # 3. Evidence always fits EVIDENCE_BYTES_MAX, and the journal can always write it.

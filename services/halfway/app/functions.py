@@ -273,31 +273,42 @@ class FunctionAdapter:
         self.lookup_takes_ctx = False
 
     async def call(self, args: BaseModel, ctx: CallContext) -> CallResult:
+        deadline = asyncio.timeout(ctx.timeout_s)
         try:
-            async with asyncio.timeout(ctx.timeout_s):
+            async with deadline:
                 value = await self._invoke(self.fn, args, ctx, self.takes_ctx)
         except asyncio.CancelledError:
             raise  # the harness cancels calls (shutdown): not an outcome of the tool
         except BaseException as exc:  # our timeout included: failure_of says TimedOut
             # SystemExit and KeyboardInterrupt too: a tool never stops the process.
-            return failure_of(exc, ctx.timeout_s)
+            return TimedOut(ctx.timeout_s) if deadline.expired() else failure_of(
+                exc, ctx.timeout_s)
+        if deadline.expired():
+            # The tool swallowed our cancellation and answered anyway: what it says on its way
+            # out (a value, a refusal) is no proof, and the request may be out.
+            return TimedOut(ctx.timeout_s)
         return Succeeded(evidence=evidence_of(value))
 
     async def lookup(self, args: BaseModel, ctx: CallContext) -> LookupResult:
         if self.lookup_fn is None:
             return LookupFailed("this tool has no lookup")
+        deadline = asyncio.timeout(ctx.timeout_s)
         try:
-            async with asyncio.timeout(ctx.timeout_s):
+            async with deadline:
                 value = await self._invoke(self.lookup_fn, args, ctx, self.lookup_takes_ctx)
-        except Refused as exc:
-            return Found(evidence={"refused": exc.reason[:ERROR_CHARS_MAX]}, succeeded=False,
-                         reason=exc.reason[:ERROR_CHARS_MAX])
-        except TimeoutError:
-            return LookupFailed(f"the lookup took longer than {ctx.timeout_s:g} s")
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
+            if deadline.expired() or isinstance(exc, TimeoutError):
+                # Past our timeout, even a refusal is no proof: the tool swallowed the
+                # cancellation and said something on its way out.
+                return LookupFailed(f"the lookup took longer than {ctx.timeout_s:g} s")
+            if isinstance(exc, Refused):
+                return Found(evidence={"refused": exc.reason[:ERROR_CHARS_MAX]},
+                             succeeded=False, reason=exc.reason[:ERROR_CHARS_MAX])
             return LookupFailed(f"the lookup failed: {words_of(exc)}"[:ERROR_CHARS_MAX])
+        if deadline.expired():  # it swallowed our cancellation: its answer proves nothing
+            return LookupFailed(f"the lookup took longer than {ctx.timeout_s:g} s")
         if value is None:
             return NotFound(f"the lookup found nothing for {ctx.key}")
         if not isinstance(value, Mapping) or not value:

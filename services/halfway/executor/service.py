@@ -286,10 +286,13 @@ class Executor(StepWorker):
                     return None
                 ctx = CallContext(effect.step_id, effect.key, n, spec.timeout_s)
                 started = time.perf_counter()
+                guard = asyncio.timeout(spec.timeout_s + TIMEOUT_GRACE_S)
                 try:
-                    async with asyncio.timeout(spec.timeout_s + TIMEOUT_GRACE_S):
+                    async with guard:
                         result = await tool.adapter.call(args, ctx)
                 except TimeoutError:
+                    result = TimedOut(spec.timeout_s)
+                if guard.expired():  # it swallowed our cancellation: its answer is no proof
                     result = TimedOut(spec.timeout_s)
                 metrics.TOOL_CALLS.labels(tool=spec.name, result=type(result).__name__).observe(
                     time.perf_counter() - started)
