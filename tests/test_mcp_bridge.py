@@ -241,6 +241,38 @@ def test_a_listing_that_does_not_fit_the_overrides_is_an_error() -> None:
         bridge(find_payment={"subject": "invoice:{invoice_id}"}).tools_from(LISTING)
 
 
+UNUSABLE_SCHEMAS = {
+    "banana": {"type": "banana"},  # not a JSON Schema
+    "nowhere": {"x": {"$ref": "#/$defs/nowhere"}},  # a reference to nothing
+    "remote": {"x": {"$ref": "http://127.0.0.1:9/schema.json"}},  # never fetched
+    "itself": {"$ref": "#"},  # checking anything recurses for ever
+}
+
+
+def test_a_tool_whose_schema_cannot_check_arguments_is_left_out_and_the_rest_served(
+        ) -> None:
+    """The server's mistake, not the app's: no service stops (a crash loop under a
+    supervisor), and no proposal of the tool reaches a schema that raises while placing it."""
+    unusable = [Tool(name=f"bad_{why}", description="Bad.",
+                     input_schema={"type": "object", "properties": schema}
+                     if why in ("nowhere", "remote") else {"type": "object", **schema}
+                     if why == "itself" else schema)
+                for why, schema in UNUSABLE_SCHEMAS.items()]
+    tools = bridge(bad_nowhere={"errors_are_refusals": True}).tools_from([*LISTING, *unusable])
+    assert sorted(t.spec.name for t in tools) == ["create_payment", "find_payment",
+                                                  "send_receipt"]
+
+
+def test_arguments_a_schema_cannot_check_are_refused_in_words_not_raised() -> None:
+    """A reference that recurses for some arguments only: a refusal the model reads (and
+    counts), never an exception in the decider."""
+    [tool] = bridge().tools_from([Tool(name="loops", description="Loops.", input_schema={
+        "type": "object", "properties": {"a": {"$ref": "#/properties/a"}}})])
+    with pytest.raises(ValidationError, match="cannot check them: RecursionError"):
+        parse_args(tool.spec.args_model, {"a": 1})
+    assert parse_args(tool.spec.args_model, {}) is not None
+
+
 # --- the adapter against the real server ---------------------------------------------------------
 
 

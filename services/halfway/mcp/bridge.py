@@ -57,7 +57,7 @@ from halfway.core.classify import ConnectionLost, NotSent
 from halfway.mcp.connection import Connection, NotConnected, describe
 from halfway.mcp.overrides import ToolOverride, effect_class_of, parse_overrides
 from halfway.mcp.results import call_failure, call_result, lookup_result
-from halfway.mcp.schema import McpArgs, args_model
+from halfway.mcp.schema import McpArgs, UnusableSchema, args_model
 from halfway.tools.registry import Tool
 from halfway.tools.spec import CallContext, CallResult, LookupFailed, LookupResult, ToolSpec
 
@@ -68,6 +68,7 @@ DEFAULT_TIMEOUT_S = 10.0  # one attempt of a bridged tool, unless its override s
 CONNECT_TIMEOUT_S = 10.0  # opening a session (a stdio server is a process to start)
 LIST_TIMEOUT_S = 30.0  # listing the tools, every page
 LIST_PAGES_MAX = 100  # a paginator that never ends cannot hang a service's start
+SCHEMA_REASON_CHARS_MAX = 500  # of why a tool's schema is left out, in a log line
 SERVER_NAME = TOOL_NAME
 
 
@@ -249,7 +250,14 @@ class McpBridge:
                 self._log.warning("MCP tool left out: its name is not a valid tool name",
                                   tool=name, pattern=TOOL_NAME.pattern)
                 continue
-            out.append(self._tool(by_name[name], by_name))
+            try:
+                out.append(self._tool(by_name[name], by_name))
+            except UnusableSchema as exc:
+                # The server's mistake, not the app's: its other tools are served, and no
+                # process crash-loops on it. Left out in every process alike.
+                self._log.error("MCP tool left out: its input schema cannot check arguments",
+                                tool=name, reason=str(exc)[:SCHEMA_REASON_CHARS_MAX],
+                                overridden=name in self.overrides)
         return out
 
     def _tool(self, tool: mcp_types.Tool, by_name: Mapping[str, mcp_types.Tool]) -> Tool:
