@@ -179,3 +179,45 @@ async def test_a_queued_question_of_a_task_no_longer_owned_is_not_asked(
     model.release.set()
     await answered(decider)
     assert model.asked == [first]
+
+
+@pytest.mark.parametrize("journal_down", [False, True])
+async def test_a_move_that_keeps_failing_ends_the_task_needing_attention_unless_the_journal_is_down(
+        decider: Decider, monkeypatch: pytest.MonkeyPatch, journal_down: bool) -> None:
+    """A proposal that raises while it is placed (a bug, a tool's schema that raises) is not
+    asked again for ever, a paid question each time: after PLACE_FAILURES_MAX in a row the
+    task ends needing attention, saying why. The journal not answering is waited out."""
+    from aiokafka.errors import KafkaConnectionError
+
+    model = decider.model
+    assert isinstance(model, HeldModel)
+    model.release.set()
+    written: list[Event] = []
+    retries: list[float] = []
+
+    async def write(event: Event, carry: object = None) -> None:
+        written.append(event)
+
+    async def place(*_: object) -> None:
+        raise KafkaConnectionError("no broker") if journal_down else RuntimeError("x" * 10_000)
+
+    monkeypatch.setattr(decider, "_write", write)
+    monkeypatch.setattr(decider, "_place", place)
+    monkeypatch.setattr(decider, "_wake_in", lambda _task, in_s: retries.append(in_s))
+    [task_id] = started_tasks(decider, 1)
+    for _ in range(service.PLACE_FAILURES_MAX + 2):
+        if written:
+            break
+        await decider._make(task_id, Ask(1))
+        await answered(decider)
+    if journal_down:
+        assert written == []
+        assert len(retries) == service.PLACE_FAILURES_MAX + 2
+        return
+    [ended] = written
+    assert isinstance(ended, TaskFinished)
+    assert ended.state == "needs_attention"
+    assert ended.summary.startswith("halfway could not move this task: RuntimeError: xxx")
+    assert len(ended.summary) <= 1_100
+    assert len(model.asked) == service.PLACE_FAILURES_MAX
+    assert len(retries) == service.PLACE_FAILURES_MAX - 1

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
+from aiokafka.errors import KafkaError
 from aiokafka.structs import RecordMetadata
 
 from halfway import log, metrics, tracing
@@ -113,6 +114,11 @@ PLACE_RETRY_S_BASE = 0.5
 PLACE_RETRY_S_MAX = 30.0
 # Questions whose failure counts are kept (for that backoff): past it the oldest is forgotten.
 PLACE_FAILURES_KEPT = 10_000
+# A move that fails this often in a row for another reason than the journal (a bug, a tool's
+# schema that raises) ends the task needing attention: each try asks the model anew.
+PLACE_FAILURES_MAX = 8
+# The journal not answering: tried again for as long as it takes, never given up on.
+JOURNAL_UNREACHABLE = (KafkaError, OSError, TimeoutError)
 # A request is copied into `task.started`; past this it could not be journaled with room.
 TASK_REQUEST_BYTES_MAX = 256 * 1024
 TOOL_NAME_CHARS_MAX = 200  # of a proposed tool name, as journaled in a refusal
@@ -400,7 +406,7 @@ class Decider:
                 else:
                     await self._place(task_id, n, answer)
                 self._place_failures.pop((task_id, n), None)
-            except Exception:
+            except Exception as exc:
                 # Not the model's failure (that is journaled above): the journal could not be
                 # written, say. Try again later, never in a tight loop (each try asks anew).
                 failures = self._place_failures.pop((task_id, n), 0) + 1
@@ -409,8 +415,13 @@ class Decider:
                     del self._place_failures[next(iter(self._place_failures))]
                 self._place_failures[(task_id, n)] = failures
                 retry_in_s = min(PLACE_RETRY_S_MAX, PLACE_RETRY_S_BASE * 2 ** (failures - 1))
-                self._log.exception("placing the model's answer failed; the step stays "
-                                    "undecided", retry_in_s=retry_in_s)
+                # The traceback once; a repeat is one line (a failure can be megabytes long).
+                self._log.error("placing the model's answer failed; the step stays undecided",
+                                retry_in_s=retry_in_s, failures=failures,
+                                error=f"{type(exc).__name__}: {exc}"[:ERROR_CHARS_MAX],
+                                exc_info=exc if failures == 1 else None)
+                if failures >= PLACE_FAILURES_MAX and not isinstance(exc, JOURNAL_UNREACHABLE):
+                    retry_in_s = await self._give_up_asking(task_id, n, exc, retry_in_s)
             finally:
                 del self._asking[(task_id, n)]
                 self._asks_running -= 1
@@ -421,6 +432,19 @@ class Decider:
                     self.follower.touch(task_id)
                 else:
                     self._wake_in(task_id, retry_in_s)
+
+    async def _give_up_asking(self, task_id: str, n: int, exc: Exception,
+                              retry_in_s: float) -> float | None:
+        """End the task needing attention (None: nothing to retry), or, when that cannot be
+        journaled either, when to try again."""
+        try:
+            await self._give_up(task_id, exc)
+        except Exception as again:
+            self._log.error("giving up on the task failed too; it is tried again later",
+                            error=f"{type(again).__name__}: {again}"[:ERROR_CHARS_MAX])
+            return retry_in_s
+        self._place_failures.pop((task_id, n), None)
+        return None
 
     async def _question(self, history: Any) -> Any:
         """The model's answer, or why there is none (ModelUnavailable): it never raises."""
