@@ -178,8 +178,13 @@ async def test_http_agents_in_two_sessions_cannot_pay_one_invoice_twice(core: Cl
             assert settled.evidence is not None
             again = await until_truth(lambda: agent_b.call_tool("charge_customer",
                                                                 charge(invoice)))
-            assert again.is_error  # proof of not done: an invoice is paid once
-            assert "already did charge_customer" in text(again), text(again)
+            # B's call is answered with A's payment: done, by another call, never "not done"
+            # (which B's agent would read as "pay again").
+            assert not again.is_error
+            assert text(again).startswith(f"status: done by another call: {task_a}:1"), \
+                text(again)
+            assert settled.evidence["charge_id"] in text(again)
+            assert again.structured_content["this_call_ran"] is False
             b_tasks = {e.task_id for e in core.journal.events if e.task_id.startswith("mcp-")}
             assert len(b_tasks) == 1
         # B's client closed its session (DELETE): B's task finishes.

@@ -28,6 +28,15 @@ DONE, NOT_DONE, UNKNOWN = "done", "not_done", "unknown"
 
 
 @dataclass(frozen=True, slots=True)
+class Holder:
+    """What this process knows of the step that held the subject a call was blocked on."""
+
+    holds: bool  # it still holds the subject
+    step: StepState | None = None  # its step, if this process follows the holder's task
+    seen: bool = False  # this process follows the holder's task (else `step` says nothing)
+
+
+@dataclass(frozen=True, slots=True)
 class Answer:
     status: str  # done | not_done | unknown
     text: str
@@ -86,21 +95,29 @@ def step_answer(step: StepState, *, ran: bool = True) -> Answer:
     return Answer(state, text, facts, final=final)
 
 
-def refusal_answer(refusal: StepRefused, subject: str | None, *, still_held: bool,
+def refusal_answer(refusal: StepRefused, subject: str | None, *, holder: Holder | None = None,
                    earlier: StepState | None = None) -> Answer:
-    """A proposal the decider refused: nothing ran. Blocked by a step that still holds the
-    subject, the subject's state is unknown; anything else is proof of not done."""
+    """A proposal the decider refused: nothing ran. Blocked by a step that holds the subject,
+    the subject is as that step is: unknown while it holds it or while this process cannot see
+    how it ended; done by the other step (never "not done": the agent would do it twice);
+    else, as any other refusal, proof of not done."""
     facts: dict[str, Any] = {"tool": refusal.tool, "subject": subject, "this_call_ran": False,
                              "reason": refusal.reason}
-    if refusal.blocked is not None and still_held:
+    blocked = refusal.blocked
+    if blocked is not None and (holder is None or holder.holds):
         # Not final: once the holder releases the subject, a retry of this call may run.
-        facts |= {"status": UNKNOWN, "held_by": refusal.blocked.holder}
+        facts |= {"status": UNKNOWN, "held_by": blocked.holder}
         return Answer(UNKNOWN, f"status: unknown: {refusal.reason}; this call was not run; "
                                f"{advice(refusal.tool, subject)}", facts, final=False)
+    step = None if holder is None else holder.step
+    if blocked is not None and holder is not None and (
+            not holder.seen or (step is not None and step.status is not StepStatus.NOT_DONE)):
+        return _blocked_by_released(refusal, subject, blocked.holder, step, facts)
     text = f"status: not done, this call was refused and nothing ran: {refusal.reason}"
-    if refusal.blocked is not None:
-        text += f" (since then {refusal.blocked.holder} settled and released " \
-                f"{refusal.blocked.subject})"
+    if blocked is not None:
+        text += f" (since then {blocked.holder} " + (
+            "was not done" if step is not None else "was given up before it ran") + \
+            f" and released {blocked.subject})"
     facts["status"] = NOT_DONE
     if earlier is not None:
         prior = step_answer(earlier)
@@ -108,6 +125,28 @@ def refusal_answer(refusal: StepRefused, subject: str | None, *, still_held: boo
                 f"{prior.text.removeprefix('status: ')}"
         facts["earlier"] = prior.facts
     return Answer(NOT_DONE, text, facts)
+
+
+def _blocked_by_released(refusal: StepRefused, subject: str | None, holder_id: str,
+                         step: StepState | None, facts: dict[str, Any]) -> Answer:
+    """A call blocked by a step that has since released the subject, and did not prove itself
+    not done: what that step did is this subject's truth."""
+    not_run = "this call was not run"
+    facts["held_by"] = holder_id
+    if step is not None and step.status is StepStatus.DONE:
+        settlement = step.effect.settlement
+        assert settlement is not None
+        facts |= {"status": DONE, "done_by": holder_id, "evidence": settlement.evidence}
+        line = effect_line(step.effect, f"reference {step.intent.key}", unknown_advice="")
+        return Answer(DONE, f"status: done by another call: {holder_id} did {step.intent.tool} "
+                            f"on {subject} ({line}); {not_run}: call it again only if you mean "
+                            f"a second {refusal.tool} for {subject}", facts)
+    how = ("its outcome is not known to this process" if step is None
+           else f"it is {step.status.value.replace('_', ' ')}")
+    facts["status"] = UNKNOWN
+    return Answer(UNKNOWN, f"status: unknown: {refusal.reason}; since then {holder_id} released "
+                           f"{subject}, and {how}; {not_run}; {advice(refusal.tool, subject)}",
+                  facts)
 
 
 def not_started_answer(tool: str, subject: str | None, why: str) -> Answer:
@@ -127,14 +166,14 @@ def placing_answer(tool: str, subject: str | None) -> Answer:
 
 
 def handed_answer(state: TaskState, tool: str, subject: str | None, n: int, refused: int, *,
-                  still_held: Callable[[SubjectHeld], bool]) -> Answer:
+                  holder: Callable[[SubjectHeld], Holder]) -> Answer:
     """The answer to a call handed to the decider for step `n` after `refused` refusals of it
     (see `halfway.mcp.calls`): its refusal, its step, or that it is still being placed."""
     refusals = state.refused(n)
     if len(refusals) > refused:
         refusal = refusals[refused]
-        held = refusal.blocked is not None and still_held(refusal.blocked)
-        return refusal_answer(refusal, subject, still_held=held,
+        return refusal_answer(refusal, subject,
+                              holder=None if refusal.blocked is None else holder(refusal.blocked),
                               earlier=_done_before(state, tool, subject, n))
     step = state.step(n)
     if step is not None:

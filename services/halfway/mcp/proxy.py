@@ -62,7 +62,7 @@ from mcp_types import INTERNAL_ERROR, INVALID_PARAMS
 from pydantic import BaseModel
 
 from halfway import log
-from halfway.contract import EffectClass, SubjectHeld, TaskPolicy, TaskRequested
+from halfway.contract import EffectClass, SubjectHeld, TaskPolicy, TaskRequested, parse_step_id
 from halfway.contract.ids import STEP_N_MAX, is_task_id
 from halfway.contract.topics import JOURNAL, TASKS
 from halfway.core.args import parse_args
@@ -74,6 +74,7 @@ from halfway.loops import run_beside
 from halfway.mcp.answers import (
     NOT_DONE,
     Answer,
+    Holder,
     handed_answer,
     not_started_answer,
     placing_answer,
@@ -187,6 +188,13 @@ class Proxy:
     def _still_held(self, held: SubjectHeld) -> bool:
         holder = self.decider.guards.book.holder_of(held.tool, held.subject)
         return holder is not None and holder.step_id == held.holder
+
+    def _holder(self, held: SubjectHeld) -> Holder:
+        """The blocking step as this process sees it (its task's fold, if it follows it)."""
+        task_id, n = parse_step_id(held.holder)
+        state = self.decider.follower.states.get(task_id)
+        return Holder(self._still_held(held), None if state is None else state.step(n),
+                      seen=state is not None)
 
     async def ready(self) -> None:
         """The decider has read the guards and every journal partition to its end: a session
@@ -414,7 +422,7 @@ class Proxy:
             return None
         n, refused = call.handed
         return handed_answer(self._state(call.task_id), call.tool, call.subject, n, refused,
-                             still_held=self._still_held)
+                             holder=self._holder)
 
     def _retried(self, session: Session, tool: str, subject: str | None) -> Call | None:
         """The latest call of this session on the same tool and subject, if the agent has not
