@@ -90,7 +90,10 @@ def test_a_succeeded_webhook_settles_an_unknown_step_done_with_evidence(s: Stamp
 
 def test_a_failed_webhook_is_corroborated_by_a_lookup_before_it_proves_anything(
         s: Stamper) -> None:
-    assert weigh(unknown_effect(s), hook("charge.failed")) == Corroborate()
+    move = weigh(unknown_effect(s), hook("charge.failed"))
+    assert isinstance(move, Corroborate)
+    assert "says it failed" in move.told
+    assert "evt_1" in move.told
     # A tool with no lookup can only take the provider's event at its word.
     move = weigh(unknown_effect(s), hook("charge.failed"), has_lookup=False)
     assert isinstance(move, Settle)

@@ -321,6 +321,41 @@ async def test_a_webhook_for_a_key_never_sent_is_quarantined_and_never_settles_t
                 and e.evidence.get("provider_event_id") in ("evt_early_1", "evt_never_1")]
 
 
+async def test_with_lookups_off_a_failed_webhook_is_not_proof_and_an_operator_is_asked(
+        hooked: Cluster) -> None:
+    """A negative report is corroborated by a lookup; with lookups off nothing can, so it
+    proves nothing: the charge that did land must not read "not done, safe to try again"."""
+    c = hooked
+    task_id = new_id("failed-word")
+    step_id = f"{task_id}:1"
+    await c.faults({"match": {}, "action": {"delay_s": 1.5}})  # the caller gives up first
+    await c.webhook_behaviour(paused=True)  # the provider's own webhooks are held back
+    for service in ("decider", "executor"):
+        await c.start(service)
+    await c.start("reconciler", HALFWAY_RECONCILER_LOOKUPS="off")
+    await c.publish(renewal_request(task_id))
+    await c.journal.first(lambda e: e.task_id == task_id and e.type == "step.settled",
+                          "the step's first settlement (unknown)", LONG_WAIT_S)
+    (charge,) = await until_charged(c, step_id)  # it landed
+    await post_webhook(c, f"evt_{task_id}_failed", "charge.failed", step_id, "ch_made_up")
+    checked = await c.journal.first(
+        lambda e: e.task_id == task_id and e.type == "step.checked"
+        and "lookups are off" in e.found, "an operator asked", LONG_WAIT_S)
+    assert "says it failed" in checked.found
+    assert checked.next_check_at is None
+    step = fold(c.journal.of(task_id), task_id).step(1)
+    assert step.status is StepStatus.UNKNOWN
+    assert step.effect.needs_attention
+    # The provider's real webhook then settles it: done, the charge that landed.
+    await c.webhook_behaviour(paused=False)
+    await c.journal.until_finished([task_id], LONG_WAIT_S)
+    state = fold(c.journal.of(task_id), task_id)
+    settlements = [s.outcome for s in settlements_of(c, task_id)]
+    assert Outcome.NOT_DONE not in settlements, settlements
+    assert state.step(1).effect.settlement.evidence["charge_id"] == charge["id"]
+    assert state.final_state is FinalState.SUCCEEDED
+
+
 async def until_charged(c: Cluster, key: str) -> list[dict]:
     async def charged() -> list[dict]:
         while True:  # the provider's ledger has no notification: polled, bounded

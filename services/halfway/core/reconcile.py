@@ -24,6 +24,8 @@ object as evidence). `weigh_webhook` decides what that report is worth:
 3. **Proof.** `done` from the provider's own event settles an unknown effect. A negative report
    (`failed`) is corroborated first: where the tool has a lookup, the lookup settles it (the
    provider's record, not a message about it); only a tool without one takes the event's word.
+   A tool that has one while the reconciler's lookups are off is not corroborated at all: its
+   effect stays unknown, and an operator is asked (the event's word alone is not proof).
 4. A report that agrees with what is known, or that is already on record (its provider event
    id in a settlement), adds nothing.
 """
@@ -69,7 +71,11 @@ class Settle:
 
 @dataclass(frozen=True, slots=True)
 class Corroborate:
-    """A negative report: look the effect up now; the lookup settles it."""
+    """A negative report: look the effect up now; the lookup settles it. Where lookups are
+    off, nothing can: the effect stays unknown, for an operator (`told`: what the provider
+    said, for them)."""
+
+    told: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +140,7 @@ def weigh_webhook(effect: EffectState | None, report: WebhookReport | None,
     if report.outcome is Outcome.DONE:
         return Settle(Outcome.DONE, report.effect_id, evidence=_evidence(report, hook))
     if has_lookup:
-        return Corroborate()
+        return Corroborate(f"the provider's {told} says it failed")
     return Settle(Outcome.NOT_DONE, report.effect_id, reason=_reason(report, hook))
 
 

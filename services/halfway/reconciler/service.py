@@ -132,11 +132,11 @@ class Reconciler(StepWorker):
                 report = declared_report(hook, tool.spec.evidence_id)
         elif effect is not None:
             return Ignore(f"no tool {effect.tool} here to read it")
-        # With lookups off, nothing can corroborate a negative report: its word is all there is.
-        can_look_up = tool is not None and tool.spec.has_lookup and self.lookups
+        # A tool with a lookup never takes a negative report's word, even with lookups off
+        # (then nothing corroborates it, and an operator is asked): not done must be proven.
         return weigh_webhook(effect.state if effect is not None else None, report, hook,
                              first_attempt_offset=self.follower.first_attempt.get(hook.key or ""),
-                             has_lookup=can_look_up)
+                             has_lookup=tool is not None and tool.spec.has_lookup)
 
     async def _act_on_webhook(self, item: HeldWebhook, effect: Effect | None,
                               move: WebhookMove) -> bool:
@@ -151,10 +151,16 @@ class Reconciler(StepWorker):
             case Ignore(why=why):
                 self._log.debug("webhook adds nothing", why=why, **fields)
                 return False
-            case Corroborate():
+            case Corroborate(told=told):
                 assert effect is not None
                 tool = self.registry.get(effect.tool)
-                if tool is not None and self.lookups and not self.busy(effect):
+                if not self.lookups:
+                    if item.fresh and not effect.state.needs_attention:
+                        await self._escalate(effect, f"{told}; lookups are off, so nothing "
+                                                     "corroborates it: an operator must "
+                                                     "resolve it")
+                    return False
+                if tool is not None and not self.busy(effect):
                     self._log.info("a negative webhook; looking it up before believing it",
                                    **fields)
                     self.start_move(effect, self._lookup(effect, tool))
