@@ -264,3 +264,15 @@ def test_a_lookup_that_failed_never_proves_not_done(s: Stamper) -> None:
         assert isinstance(on_lookup_failed(effect, bounded, sent + timedelta(seconds=later_s)),
                           datetime)
     assert on_lookup_failed(effect, bounded, sent + timedelta(days=1)) is None  # window over
+
+
+@pytest.mark.parametrize("task_id", ["renewal-9999", None])
+def test_a_record_whose_key_names_another_task_is_quarantined(s: Stamper,
+                                                              task_id: str | None) -> None:
+    """The gateway derives the record's task from our key: a record that disagrees (another
+    writer's) would settle a step of the task it names, not of the key's."""
+    forged = hook().model_copy(update={"task_id": task_id})
+    move = weigh(unknown_effect(s), forged)
+    assert isinstance(move, Quarantine)
+    assert move.reason == (f"the webhook's key renewal-8812:1 names task renewal-8812, but the "
+                           f"record is for task {task_id}")

@@ -35,7 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from halfway.contract import Outcome
+from halfway.contract import Outcome, parse_step_id
+from halfway.contract.ids import step_of_key
 from halfway.contract.webhooks import WebhookReceived
 from halfway.core.fold import EffectState
 
@@ -104,6 +105,12 @@ def weigh_webhook(effect: EffectState | None, report: WebhookReport | None,
                   hook: WebhookReceived, *, first_attempt_offset: int | None,
                   has_lookup: bool) -> WebhookMove:
     """What to do with `hook` for the effect named by its key (None: no such effect)."""
+    named = task_named_by(hook.key)
+    if named is not None and named != hook.task_id:
+        # The gateway derives the record's task from the key: a record that disagrees was
+        # written by someone else, and would settle another task's step.
+        return Quarantine(f"the webhook's key {hook.key} names task {named}, but the record "
+                          f"is for task {hook.task_id}")
     if hook.journal_offset is None:
         return Quarantine(f"the webhook for key {hook.key} cannot be ordered against the "
                           f"journal (no journal offset was recorded when it arrived)")
@@ -142,6 +149,17 @@ def weigh_webhook(effect: EffectState | None, report: WebhookReport | None,
     if has_lookup:
         return Corroborate(f"the provider's {told} says it failed")
     return Settle(Outcome.NOT_DONE, report.effect_id, reason=_reason(report, hook))
+
+
+def task_named_by(key: str | None) -> str | None:
+    """The task our key (a step's, or an undo's) names; None for what is not our key."""
+    if key is None:
+        return None
+    try:
+        task_id, _ = parse_step_id(step_of_key(key))
+    except ValueError:
+        return None
+    return task_id
 
 
 def _contradiction(report: WebhookReport, hook: WebhookReceived, why: str) -> Settle:

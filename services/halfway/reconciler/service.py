@@ -281,9 +281,11 @@ def _effect_named(state: TaskState | None, key: str | None) -> Effect | None:
         return None
     undo = parse_undo_key(key)
     try:
-        _, n = parse_step_id(key if undo is None else undo[0])
+        task_id, n = parse_step_id(key if undo is None else undo[0])
     except ValueError:
         return None
+    if task_id != state.task_id:
+        return None  # another task's key (weigh_webhook quarantines the record)
     step = state.steps.get(n)
     if step is None:
         return None
