@@ -22,6 +22,11 @@ client is built with `max_retries=0` on purpose: the decider journals every fail
 (`model.failed`) and asks again with backoff from the journal, so retries are counted, bounded
 and survive a restart, instead of hiding inside one question's timeout. The API key never
 appears in an error.
+
+An answer is read up to MODEL_REPLY_BYTES_MAX bytes (`http_client_of`): one declared larger
+(`Content-Length`), one that grows past it as it is read (chunked, or until the connection
+closes) and one compressed against the adapter's asking (its size unknown until decoded) are
+refused unread as transient failures, their connection closed.
 """
 
 from __future__ import annotations
@@ -33,9 +38,10 @@ import json
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Any
 
+import httpx2
 import openai
 
 from halfway.models.base import (
@@ -53,6 +59,10 @@ from halfway.models.base import (
 # Of one question, the whole of it (connecting, sending, the model thinking, reading). The
 # decider bounds a question a little longer (halfway.decider.service), as a last guard.
 MODEL_TIMEOUT_S = 120.0
+# Of one answer of the endpoint, the bytes read (its body, as sent: the adapter asks for it
+# uncompressed). A decision is a few KiB (a call's arguments at most 64 KiB, a summary 2,000
+# characters): past this the answer is refused, the rest never read (`http_client_of`).
+MODEL_REPLY_BYTES_MAX = 4 * 1024 * 1024
 ERROR_CHARS_MAX = 1000
 SUMMARY_CHARS_MAX = 2000
 TOOL_NAME_CHARS_MAX = 200
@@ -238,6 +248,94 @@ def proposal_of(response: Any) -> Proposal:
     return ProposeFinish(summary=summary[:SUMMARY_CHARS_MAX], usage=usage)
 
 
+# --- reading the answer --------------------------------------------------------------------------
+
+
+class ReplyRefused(httpx2.RequestError):
+    """An answer of the endpoint left unread: larger than MODEL_REPLY_BYTES_MAX, or compressed
+    (its size unknown until decoded). Its connection is closed, not reused."""
+
+
+def _refusal(response: httpx2.Response, why: str) -> ReplyRefused:
+    return ReplyRefused(f"the endpoint's answer (HTTP {response.status_code}) {why}",
+                        request=response.request)
+
+
+def _declared_bytes(headers: httpx2.Headers) -> int | None:
+    """The body's size its `Content-Length` says; None without one (chunked, or until the
+    connection closes) or when it cannot be read (the bytes are counted as read then)."""
+    value = headers.get("content-length")
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+class _CountedBody(httpx2.AsyncByteStream):
+    """A response body that stops with ReplyRefused once past MODEL_REPLY_BYTES_MAX."""
+
+    def __init__(self, stream: httpx2.AsyncByteStream, response: httpx2.Response) -> None:
+        self._stream = stream
+        self._response = response
+
+    @property
+    def elapsed(self) -> Any:  # httpx2's `Response.elapsed` reads it from its stream
+        return getattr(self._stream, "elapsed", None)
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        parts = self._stream.__aiter__()
+        read = 0
+        try:
+            async for part in parts:
+                read += len(part)
+                if read > MODEL_REPLY_BYTES_MAX:
+                    raise _refusal(self._response, f"is more than MODEL_REPLY_BYTES_MAX "
+                                                   f"({MODEL_REPLY_BYTES_MAX} bytes): not read "
+                                                   f"further")
+                yield part
+        finally:
+            if isinstance(parts, AsyncGenerator):
+                await parts.aclose()
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+async def _bounded(response: httpx2.Response) -> None:
+    """Of every answer, before any of its body is read (a response hook): refused when
+    compressed or declared larger than MODEL_REPLY_BYTES_MAX, else counted as it is read. The
+    client then closes it, and its connection with it, unread."""
+    coding = response.headers.get("content-encoding", "").strip().lower()
+    if coding not in ("", "identity"):
+        raise _refusal(response, f"is compressed ({coding[:40]}) though none was asked for: "
+                                 f"its size is unknown until decoded (MODEL_REPLY_BYTES_MAX, "
+                                 f"{MODEL_REPLY_BYTES_MAX} bytes, bounds it): not read")
+    declared = _declared_bytes(response.headers)
+    if declared is not None and declared > MODEL_REPLY_BYTES_MAX:
+        raise _refusal(response, f"is {declared} bytes, more than MODEL_REPLY_BYTES_MAX "
+                                 f"({MODEL_REPLY_BYTES_MAX} bytes): not read")
+    if isinstance(response.stream, httpx2.AsyncByteStream):
+        response.stream = _CountedBody(response.stream, response)
+
+
+def http_client_of(timeout_s: float = MODEL_TIMEOUT_S) -> httpx2.AsyncClient:
+    """The HTTP client under the official client the adapter makes: the official client's own
+    defaults (its connection pool and reuse, redirects, proxies from the environment), asking
+    for answers uncompressed and reading at most MODEL_REPLY_BYTES_MAX bytes of each."""
+    return openai.DefaultAsyncHttpxClient(timeout=timeout_s,
+                                          headers={"Accept-Encoding": "identity"},
+                                          event_hooks={"response": [_bounded]})
+
+
+def _refused_of(exc: BaseException) -> ReplyRefused | None:
+    """The refused answer behind a failure (the official client wraps it in
+    APIConnectionError)."""
+    for error in (exc, exc.__cause__, exc.__context__):
+        if isinstance(error, ReplyRefused):
+            return error
+    return None
+
+
 # --- failures ------------------------------------------------------------------------------------
 
 
@@ -288,7 +386,9 @@ def failure_of(exc: BaseException, *, timeout_s: float = MODEL_TIMEOUT_S,
     """What a failed question tells the decider. `secret` (the API key) never shows."""
     status: int | None = None
     retry_after_s: float | None = None
-    if isinstance(exc, openai.APITimeoutError | TimeoutError):
+    if (refused := _refused_of(exc)) is not None:  # a bad answer, like one not a completion
+        error, transient = str(refused), True
+    elif isinstance(exc, openai.APITimeoutError | TimeoutError):
         error, transient = f"no answer within {timeout_s:g} s", True
     elif isinstance(exc, openai.APIConnectionError):
         cause = exc.__cause__
@@ -325,7 +425,8 @@ class OpenAIModel:
         self._owns_client = client is None
         if client is None:
             try:
-                client = openai.AsyncOpenAI(max_retries=0, timeout=timeout_s)
+                client = openai.AsyncOpenAI(max_retries=0, timeout=timeout_s,
+                                            http_client=http_client_of(timeout_s))
             except openai.OpenAIError as exc:
                 raise ValueError(f"set OPENAI_API_KEY (any value for a local endpoint without "
                                  f"auth) to use the model {model}: {exc}") from None
