@@ -128,6 +128,7 @@ def test_accept_call_mints_the_key_and_freezes_validated_args(s: Stamper) -> Non
         (CHARGE, "charge_customer", {"invoice": "INV-2291", "amount_cents": 4900, "key": "x"},
          "key"),
         (None, "wire_money", {}, "not allowed"),
+        (None, "", {}, "'' (no name) is not allowed"),  # said so, not "refused:  is not"
     ],
 )
 def test_accept_call_refuses_with_a_reason_the_model_can_read(

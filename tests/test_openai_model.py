@@ -425,8 +425,14 @@ def test_a_final_text_is_the_summary() -> None:
     usage = {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}
     assert proposal_of(completion({"content": "  Renewed.  "}, usage=usage)) == ProposeFinish(
         "Renewed.", Usage(12, 3))
-    # No text: the decider words the end from the facts (finish_for), never "done" blindly.
-    assert proposal_of(completion({"content": " "})) == ProposeFinish("")
+    # Text without a finish reason (some compatible servers): the final answer still.
+    unsaid = completion({"content": "Renewed."})
+    unsaid.choices[0].finish_reason = None  # type: ignore[assignment]  # as the client reads it
+    assert proposal_of(unsaid) == ProposeFinish("Renewed.")
+    # No text is no decision: never a task "succeeded" on an answer that holds nothing.
+    for empty in ({"content": " "}, {"content": None}, {}):
+        with pytest.raises(ModelUnavailable, match="neither a tool call nor a final text"):
+            proposal_of(completion(empty))
     long = proposal_of(completion({"content": "x" * 5000}))
     assert isinstance(long, ProposeFinish)
     assert len(long.summary) == SUMMARY_CHARS_MAX

@@ -239,12 +239,14 @@ def proposal_of(response: Any) -> Proposal:
     if finish_reason in ("length", "content_filter"):
         raise _no_answer(f"the model stopped without a decision (finish_reason "
                          f"{finish_reason})")
-    if finish_reason != "stop":
+    content = getattr(message, "content", None)
+    summary = content.strip() if isinstance(content, str) else ""
+    # Text is the final answer when the model stopped, or did not say why it ended (some
+    # compatible servers leave finish_reason null). No text is no decision: a task must not
+    # "succeed" on an answer that holds nothing (a reasoning model's answer elsewhere, say).
+    if not summary or finish_reason not in ("stop", None):
         raise _no_answer(f"the model's answer has neither a tool call nor a final text "
                          f"(finish_reason {finish_reason!r})")
-    content = getattr(message, "content", None)
-    # No text: the decider words the end from the facts (never "done" for a failed task).
-    summary = content.strip() if isinstance(content, str) else ""
     return ProposeFinish(summary=summary[:SUMMARY_CHARS_MAX], usage=usage)
 
 
