@@ -371,3 +371,23 @@ async def test_a_settlement_goes_with_the_next_move_or_alone_but_always_goes(
     else:
         assert len(alone) == 1
         assert alone[0].outcome is Outcome.DONE
+
+
+@pytest.mark.parametrize("provider_says", [None, "from-its-store"])
+async def test_a_done_answer_keeps_the_providers_own_replayed_field(
+        provider_says: str | None) -> None:
+    """The harness's "the provider replayed its saved answer" is on the settlement; in the
+    evidence only where the provider's answer has no field of that name."""
+    from halfway.contract import StepSettled
+
+    ex, writer, provider, _ = executor(EffectClass.KEYED)
+    evidence = {"message_id": "m-1"} | ({"replayed": provider_says} if provider_says else {})
+
+    async def replayed_call(args: BaseModel, ctx: CallContext) -> Succeeded:
+        return Succeeded(evidence, replayed=True)
+
+    provider.call = replayed_call  # type: ignore[method-assign]
+    await call_once(ex, writer)
+    [settled] = [e for e in writer.events if isinstance(e, StepSettled)]
+    assert settled.replayed is True
+    assert settled.evidence == {"message_id": "m-1", "replayed": provider_says or True}

@@ -298,10 +298,14 @@ class Executor(StepWorker):
                     time.perf_counter() - started)
                 self._log.info("attempt answered", attempt=n, result=type(result).__name__)
                 if isinstance(result, Succeeded):
+                    # The provider's own "replayed" field, if its answer has one, is its word:
+                    # ours is on the settlement (and in the evidence where the field is free).
+                    evidence = (result.evidence if "replayed" in result.evidence
+                                else {**result.evidence, "replayed": result.replayed})
                     return effect.settled(
                         stamp(task_id), outcome=Outcome.DONE, attempt=n,
                         source=SettlementSource.CALL, effect_id=spec.effect_id(result.evidence),
-                        evidence={**result.evidence, "replayed": result.replayed})
+                        evidence=evidence, replayed=result.replayed)
                 if spec.effect_class is EffectClass.READ:
                     return None  # reads are never unknown: next_action reads again, in bounds
                 verdict = classify(result, attempt=n, must_happen=effect.must_happen)
