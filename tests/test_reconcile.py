@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from halfway.contract import EffectClass, Outcome, SettlementSource
+from halfway.contract import EffectClass, Outcome, SettlementSource, StepSettled
 from halfway.contract.webhooks import WebhookReceived
 from halfway.core import fold
 from halfway.core.fold import EffectState
@@ -22,6 +22,7 @@ from halfway.core.next_action import (
     plan_check,
 )
 from halfway.core.reconcile import (
+    CONTRADICTION_CHARS_MAX,
     Corroborate,
     Ignore,
     Quarantine,
@@ -276,3 +277,15 @@ def test_a_record_whose_key_names_another_task_is_quarantined(s: Stamper,
     assert isinstance(move, Quarantine)
     assert move.reason == (f"the webhook's key renewal-8812:1 names task renewal-8812, but the "
                            f"record is for task {task_id}")
+
+
+def test_a_contradiction_quoting_a_huge_value_still_fits_a_settlement(s: Stamper) -> None:
+    """A mismatch quotes the provider's values (a 3000-digit amount): cut, it can be journaled;
+    whole, the settlement was refused and the step stayed unknown for good."""
+    move = weigh(unknown_effect(s), hook(amount=int("9" * 3000)))
+    assert isinstance(move, Settle)
+    assert move.contradiction is not None
+    assert len(move.contradiction) == CONTRADICTION_CHARS_MAX
+    StepSettled.model_validate({**s.settled(1, move.outcome, evidence=move.evidence)
+                                .model_dump(), "contradiction": move.contradiction,
+                                "effect_id": move.effect_id})

@@ -162,7 +162,13 @@ def task_named_by(key: str | None) -> str | None:
     return task_id
 
 
+# A contradiction quotes what the provider sent (amounts, customers, earlier reasons): cut to
+# what a settlement holds, or it could never be journaled and the step would stay unknown.
+CONTRADICTION_CHARS_MAX = 2000  # StepSettled.contradiction's max_length
+
+
 def _contradiction(report: WebhookReport, hook: WebhookReceived, why: str) -> Settle:
+    why = why[:CONTRADICTION_CHARS_MAX]
     if report.outcome is Outcome.DONE:
         return Settle(Outcome.DONE, report.effect_id, evidence=_evidence(report, hook),
                       contradiction=why)
