@@ -307,13 +307,25 @@ def test_an_unreadable_pointer_is_refused() -> None:
 
 
 async def _commit(settings: KafkaSettings, group: str, tp: TopicPartition,
-                  offset: int, metadata: str) -> None:
-    from aiokafka import AIOKafkaConsumer
+                  offset: int, metadata: str, *, fill: bool = True) -> None:
+    """`group`'s commit of `offset` (the pointer in `metadata`) for `tp`; with `fill`, the
+    partition is first written up to `offset` (an image past its log's end is refused)."""
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
     consumer = AIOKafkaConsumer(**settings.client(), group_id=group, enable_auto_commit=False)
     await consumer.start()
     try:
         consumer.assign([tp])
+        missing = offset - (await consumer.end_offsets([tp]))[tp]
+        if fill and missing > 0:
+            producer = AIOKafkaProducer(**settings.client())
+            await producer.start()
+            try:
+                for _ in range(missing):
+                    await producer.send(tp.topic, b"filler", partition=tp.partition)
+                await producer.flush()
+            finally:
+                await producer.stop()
         await consumer.commit({tp: (offset, metadata)})
     finally:
         await consumer.stop()
@@ -362,6 +374,47 @@ async def test_a_snapshot_round_trips_through_the_broker_and_a_tampered_one_is_r
     # And one that names another offset than the commit's: refused too.
     await _commit(topics, group, tp, image.journal_next + 1, pointer.metadata())
     assert await snapshots.load(topics, group, [tp]) == {}
+
+
+@pytest.mark.broker
+async def test_an_image_that_starts_past_its_logs_end_is_refused(
+        topics: KafkaSettings, writer: JournalWriter) -> None:
+    """Restored, it would skip every record the log writes up to there (a partition that
+    looks caught up and never acts): the log lost records, or the image is not of this log."""
+    f = follower()
+    feed(f, task_records("running", "live-1", BASE), {JOURNAL_TP: 0, SIDE_TP: 0})
+    base = f.image(0)
+    assert base is not None
+    group = "snap-test-beyond"
+    journal = TopicPartition(JOURNAL.name(topics.topic_prefix), 0)
+    side = TASKS.name(topics.topic_prefix)
+    image = replace(base, journal_next=base.journal_next + 300)
+    pointer = await snapshots.write(writer, group, image, snapshots.encode(image))
+    await _commit(topics, group, journal, image.journal_next, pointer.metadata(), fill=False)
+    assert await snapshots.load(topics, group, [journal]) == {}
+    # Written up to there, the same image is used; past its side topic's end, it is not.
+    await _commit(topics, group, journal, image.journal_next, pointer.metadata())
+    assert sorted(await snapshots.load(topics, group, [journal])) == [0]
+    assert image.side_next is not None
+    assert image.side_next > 0
+    loaded = [n async for n, used in snapshots.load_each(topics, group, [journal], side=side)
+              if used is not None]
+    assert loaded == []
+
+
+def test_an_image_that_unpacks_beyond_reason_is_refused_unread() -> None:
+    """A zlib bomb: a few compressed bytes that unpack to gigabytes. Refused once it passes
+    UNPACKED_RATIO_MAX times its size, never unpacked whole (a restart would run out of
+    memory at every try: the pointer stays committed)."""
+    import zlib
+
+    bomb = zlib.compress(bytes(1024 * 1024 * 1024), 9)  # 1 GiB of zeros, about 1 MB
+    blob = snapshots.MAGIC + snapshots._framed([bomb, b"", b""])
+    with pytest.raises(snapshots.UnusableSnapshot, match="unpack to more than"):
+        snapshots.decode(blob)
+    dormant = snapshots.Dormant("t", "succeeded", (0,), (), zlib.compress(bytes(10 ** 9)))
+    with pytest.raises(snapshots.UnusableSnapshot, match="unpack to more than"):
+        dormant.decode()
 
 
 @pytest.mark.broker
@@ -502,7 +555,7 @@ def loading_follower(monkeypatch: pytest.MonkeyPatch) -> tuple[JournalFollower, 
     reads: asyncio.Queue[Any] = asyncio.Queue()
 
     async def load_each(settings: Any, group: str, tps: list[TopicPartition],
-                        wanted: bool, seal_after_s: float | None) -> Any:
+                        wanted: bool, seal_after_s: float | None, side: str | None) -> Any:
         for _ in tps:
             item = await reads.get()
             if isinstance(item, Exception):

@@ -984,7 +984,7 @@ class JournalFollower:
             try:
                 async for number, image in snaps.load_each(
                         self._settings, self.group, journal, wanted=self.snapshots,
-                        seal_after_s=snaps.seal_window(self._seal_after)):
+                        seal_after_s=snaps.seal_window(self._seal_after), side=self._side):
                     pending.discard(number)
                     group.create_task(self._load_one(number, image))
             except Exception:  # the reads failed as a whole: never leave a partition paused

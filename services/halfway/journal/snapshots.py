@@ -99,6 +99,12 @@ POINTERS_TIMEOUT_S = 10.0
 # in memory at once (10M events, 6 partitions: peak RSS 270-290 MiB at once, 190-205 by two).
 READS_AT_ONCE = 2
 COMPRESS_LEVEL = 1  # speed over size: the image is read back at every restart
+# What compressed bytes of an image may unpack to: this many times their size, and this much
+# besides (a dormant task's few hundred bytes, with the preset dictionary, unpack far beyond
+# the ratio). Our images unpack about 5 to 10 times; a zlib bomb a thousand times (a 1.5 MB
+# image took a restart to 3 GB of memory before it was found corrupt).
+UNPACKED_RATIO_MAX = 50
+UNPACKED_SLACK_BYTES = 1024 * 1024
 
 _EVENTS = TypeAdapter(list[Event])
 _REQUESTS = TypeAdapter(list[TaskRequested])
@@ -139,7 +145,7 @@ class Dormant:
     payload: bytes  # zlib (ZDICT) of: its events' JSON list, "\n", its request's JSON or ""
 
     def decode(self) -> tuple[list[tuple[int, Event]], TaskRequested | None]:
-        raw = zlib.decompressobj(zdict=ZDICT).decompress(self.payload)
+        raw = _unpacked(self.payload, zlib.decompressobj(zdict=ZDICT))
         events_json, _, request_json = raw.partition(b"\n")  # JSON holds no raw newline
         events = _EVENTS.validate_json(events_json)
         if len(events) != len(self.offsets):
@@ -301,7 +307,7 @@ def decode(blob: bytes) -> Image:
         raise UnusableSnapshot("not a snapshot (no magic)")
     try:
         packed, payloads, sealed = _unframed(blob[len(MAGIC):], 3)
-        unpacked = zlib.decompress(packed)
+        unpacked = _unpacked(packed, zlib.decompressobj())
         (n,) = _LEN.unpack_from(unpacked)
         header = json.loads(unpacked[_LEN.size:_LEN.size + n])
         version = header.get("v")
@@ -330,6 +336,17 @@ def decode(blob: bytes) -> Image:
         raise
     except Exception as exc:  # zlib, struct, JSON or validation: a corrupt image
         raise UnusableSnapshot(f"corrupt image: {type(exc).__name__}: {str(exc)[:300]}") from exc
+
+
+def _unpacked(packed: bytes, unpacker: Any) -> bytes:
+    """`packed` decompressed, within UNPACKED_RATIO_MAX times its size (plus the slack);
+    UnusableSnapshot past it, found without unpacking the rest."""
+    limit = UNPACKED_RATIO_MAX * len(packed) + UNPACKED_SLACK_BYTES
+    raw = unpacker.decompress(packed, limit)
+    if unpacker.unconsumed_tail:
+        raise UnusableSnapshot(f"{len(packed)} compressed bytes unpack to more than {limit}: "
+                               f"not an image of ours")
+    return bytes(raw) + unpacker.flush()
 
 
 def _window(value: Any) -> float | None:
@@ -559,11 +576,12 @@ async def _snapshotted(settings: KafkaSettings, group: str, tps: list[TopicParti
 
 async def load_each(settings: KafkaSettings, group: str, tps: list[TopicPartition], *,
                     wanted: bool = True, seal_after_s: float | None = None,
-                    ) -> AsyncIterator[tuple[int, Image | None]]:
+                    side: str | None = None) -> AsyncIterator[tuple[int, Image | None]]:
     """(partition, its usable image or None) for each journal partition in `tps`, in the
     order they are read (those without a snapshot first): a follower serves each one as soon
     as it is restored. None: replay that partition from zero (every one, unless `wanted`; one
-    folded with another seal window than `seal_after_s`, `seal_window`'s, when given)."""
+    folded with another seal window than `seal_after_s`, `seal_window`'s, when given; one
+    that starts past the end of its journal partition, or of its `side` topic's partition)."""
     logger = log.get("halfway.snapshots", group=group)
     committed = await _snapshotted(settings, group, tps) if wanted else {}
 
@@ -584,6 +602,22 @@ async def load_each(settings: KafkaSettings, group: str, tps: list[TopicPartitio
                 consumer = starting
             return await read(consumer, settings, group, tp.partition, pointer)
 
+    async def past_the_end(tp: TopicPartition, image: Image) -> str | None:
+        """Why `image` starts past where its partitions end now, if it does: restored, every
+        record the log writes up to there would be skipped (the log lost records, an unclean
+        leader election or a restore from backup, or the image is not of this log)."""
+        starts = {tp: image.journal_next}
+        if side is not None and image.side_next is not None:
+            starts[TopicPartition(side, tp.partition)] = image.side_next
+        async with one_fetch:
+            assert consumer is not None  # `fetched` started it
+            ends = await consumer.end_offsets(list(starts))
+        for part, start in starts.items():
+            if start > ends[part]:
+                return (f"it starts at offset {start} of {part.topic} partition "
+                        f"{part.partition}, past its end ({ends[part]})")
+        return None
+
     async def one(tp: TopicPartition) -> tuple[int, Image | None]:
         offset, metadata = committed.get(tp, (0, ""))
         if not metadata:
@@ -595,6 +629,8 @@ async def load_each(settings: KafkaSettings, group: str, tps: list[TopicPartitio
                 image = await asyncio.to_thread(decode, await fetched(tp, pointer))
             if image.partition != tp.partition or image.journal_next != offset:
                 raise UnusableSnapshot("it describes another partition or offset")
+            if (beyond := await past_the_end(tp, image)) is not None:
+                raise UnusableSnapshot(beyond)
             if None not in (seal_after_s, image.seal_after_s) and \
                     image.seal_after_s != seal_after_s:
                 raise UnusableSnapshot(f"folded with a seal window of {image.seal_after_s} s, "
