@@ -354,6 +354,38 @@ async def test_the_projector_equals_a_replay_row_for_row(
 
 
 @pytest.mark.broker
+async def test_the_commands_exit_code_is_a_checks_answer_and_a_swaps_success(
+        journal: KafkaSettings, pg: asyncpg.Connection, schema: str) -> None:
+    """`replay --rebuild --check` exits 1 when the live copy differs; `replay --rebuild`
+    swaps and exits 0 whatever the old copy held (a live projector lags: a script must not
+    read the swap it asked for as a failure)."""
+    async with JournalWriter(journal) as writer:
+        await write_all(writer, histories("cli", 4))
+    assert (await rebuild(journal, env.pg_dsn(), live=schema)).swapped
+    await pg.execute(f"DELETE FROM {schema}.tasks WHERE task_id = "  # the live copy lags
+                     f"(SELECT min(task_id) FROM {schema}.tasks)")
+    environ = dict(os.environ) | {"HALFWAY_TOPIC_PREFIX": journal.topic_prefix,
+                                  "HALFWAY_PG_SCHEMA": schema}
+
+    async def replay(*args: str) -> tuple[int, str]:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "halfway", "replay", "--rebuild", *args, env=environ,
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT)
+        out, _ = await asyncio.wait_for(proc.communicate(), 120)
+        assert proc.returncode is not None
+        return proc.returncode, out.decode()
+
+    code, out = await replay("--check")
+    assert (code, "differs" in out, "not swapped" in out) == (1, True, True), out
+    code, out = await replay()
+    assert (code, "differs" in out, f"swapped: {schema}_rebuild is now {schema}" in out) == \
+        (0, True, True), out
+    code, out = await replay("--check")
+    assert (code, "equals" in out) == (0, True), out
+
+
+@pytest.mark.broker
 async def test_a_batch_whose_offsets_moved_writes_nothing(
         pg: asyncpg.Connection, schema: str) -> None:
     await store.migrate(pg, schema)
