@@ -181,9 +181,10 @@ def run(service: Annotated[Runnable, typer.Argument(help="which service")],
     topic), projector (the PostgreSQL read model), gateway (webhooks in), api (HTTP + web page),
     worker (a decider and an executor in one process: a step skips two fetch round trips)."""
     log.configure()
-    from halfway.settings import KafkaSecurityError, kafka_security
+    from halfway.settings import KafkaSecurityError, kafka_bootstrap, kafka_security
 
     kinds = ("decider", "executor") if service is Runnable.WORKER else (service.value,)
+    kafka_bootstrap()  # a bad one stops it here (SettingsError), before anything starts
     try:  # each service connects as its own kind (docs/security.md): a bad setting stops it here
         for kind in kinds:
             kafka_security(kind)
@@ -195,13 +196,17 @@ def run(service: Annotated[Runnable, typer.Argument(help="which service")],
 
         metrics.serve_from_env(metrics_port)
     from halfway import collector
-    from halfway.journal.admin import TopicLayoutError
+    from halfway.journal.admin import AUTHORIZATION_ERRORS, TopicLayoutError, access_refused
 
     collector.tune()
     try:
         _run_service(service, app_ref, model)
     except TopicLayoutError as exc:  # an operator's decision: waiting would not mend it
         typer.echo(f"halfway: {exc}", err=True)
+        raise typer.Exit(2) from None
+    except AUTHORIZATION_ERRORS as exc:  # a right missing that the check at start did not ask
+        refused = access_refused(KafkaSettings.from_env(kinds[0]), service.value, exc)
+        typer.echo(f"halfway: {refused}", err=True)
         raise typer.Exit(2) from None
 
 
@@ -217,8 +222,10 @@ def _run_service(service: Runnable, app_ref: str | None, model: str | None) -> N
             eventloop.run(serve_api())
         case Runnable.PROJECTOR:
             from halfway.projector.service import serve as serve_projector
+            from halfway.serve import until_stopped
 
-            eventloop.run(serve_projector())
+            # Its credentials checked before it touches the read model; stopped while waiting.
+            eventloop.run(until_stopped(serve_projector, kind="projector"))
         case _:
             from halfway.serve import serve
 
@@ -240,9 +247,10 @@ def dev(app_ref: AppOption = None, model: ModelOption = None) -> None:
     _infra("up", Component.ALL)
     log.configure(json=False)
     from halfway import collector
+    from halfway.serve import until_stopped
 
     collector.tune()
-    eventloop.run(run_dev(loaded, chosen))
+    eventloop.run(until_stopped(lambda: run_dev(loaded, chosen)))  # a stop while it waits too
 
 
 @app.command()
@@ -580,10 +588,12 @@ def mcp_serve(
     chosen = _load_model(model, loaded)  # for tasks that are not MCP sessions
     log.configure()  # to stderr: over stdio, stdout is the MCP connection
     from halfway import collector
+    from halfway.serve import until_stopped
 
     collector.tune()
-    eventloop.run(serve_proxy(loaded, chosen, transport=transport.value, host=host, port=port,
-                              call_wait_s=wait_s, session_idle_s=idle_s, task=task))
+    eventloop.run(until_stopped(lambda: serve_proxy(  # a stop while it waits for the broker too
+        loaded, chosen, transport=transport.value, host=host, port=port, call_wait_s=wait_s,
+        session_idle_s=idle_s, task=task)))
 
 
 def main() -> None:

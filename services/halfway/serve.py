@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from halfway import log
 from halfway.journal import JournalWriter
-from halfway.journal.admin import ensure_topics_once_up
+from halfway.journal.admin import check_access, ensure_topics_once_up, needed_topics
 from halfway.models import Model, ScriptedModel
 from halfway.settings import KafkaSettings
 from halfway.tools.registry import Registry
@@ -102,13 +103,41 @@ async def run_service(name: Service, settings: KafkaSettings, registry: Registry
         await run_until_cancelled(service.run())
 
 
-def stop_on_signals() -> None:
-    """SIGTERM and SIGINT cancel the running task: services stop cleanly."""
+def stop_on_signals() -> asyncio.Event:
+    """SIGTERM and SIGINT cancel the running task: services stop cleanly. Returns an event set
+    once one came, which tells a stop asked for from any other cancellation."""
     task = asyncio.current_task()
     assert task is not None
+    stopping = asyncio.Event()
+
+    def stop() -> None:
+        stopping.set()
+        task.cancel()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, task.cancel)
+        loop.add_signal_handler(sig, stop)
+    return stopping
+
+
+async def until_stopped(main: Callable[[], Awaitable[None]], *, kind: str | None = None) -> None:
+    """`main()`, stopped by SIGTERM or SIGINT from the process's first moment as a normal stop:
+    for entry points that install their own handlers only once they serve (the projector,
+    `halfway dev`, the MCP proxy), so that a stop while they wait for the broker is not lost.
+    With `kind`: first wait for the broker and its topics, and check that this process's
+    principal has `kind`'s rights (`check_access`), before `main` touches anything."""
+    stopping = stop_on_signals()
+    try:
+        if kind is not None:
+            check_settings()
+            settings = KafkaSettings.from_env(kind)
+            await ensure_topics_once_up(settings, needed_topics(kind))
+            await check_access(settings, kind)
+        await main()
+    except asyncio.CancelledError:
+        if not stopping.is_set():
+            raise
+        log.get("halfway.serve").info("stopped before serving")
 
 
 def check_settings() -> None:
@@ -129,22 +158,29 @@ async def serve(name: Service, *, app: App, model: Model | None = None) -> None:
     check_settings()
     parts = PARTS.get(name, (name,))
     settings = KafkaSettings.from_env(parts[0].value)
-    await ensure_topics_once_up(settings)
-    await app.prepare()  # its MCP servers' tools: waits (logged) while one is down
-    registry = app.registry()
+    # From here: a stop also ends the waits below (a broker, its topics, an MCP server).
     stop_on_signals()
-    log.get("halfway.serve").info(
-        "service starting", service=name.value, app=app.label, tools=sorted(registry.names()),
-        model=None if model is None else model.name, bootstrap=settings.bootstrap,
-        prefix=settings.topic_prefix,
-        loop=type(asyncio.get_running_loop()).__module__.partition(".")[0])  # halfway.eventloop
+    registry: Registry | None = None
     try:
+        await ensure_topics_once_up(settings)
+        for part in parts:  # the wrong credentials stop it here, with what is missing
+            await check_access(settings.as_kind(part.value), part.value)
+        await app.prepare()  # its MCP servers' tools: waits (logged) while one is down
+        registry = app.registry()
+        log.get("halfway.serve").info(
+            "service starting", service=name.value, app=app.label,
+            tools=sorted(registry.names()), model=None if model is None else model.name,
+            bootstrap=settings.bootstrap, prefix=settings.topic_prefix,
+            loop=type(asyncio.get_running_loop()).__module__.partition(".")[0])  # eventloop
         await run_service(name, settings, registry,
                           model if Service.DECIDER in parts else None, app=app)
     except asyncio.CancelledError:
         log.get("halfway.serve").info("service stopped", service=name.value)
     finally:
-        await registry.aclose()
+        if registry is not None:
+            await registry.aclose()
+        else:
+            await app.close_mcp()  # stopped while preparing: its sessions opened so far
         close = getattr(model, "aclose", None)
         if close is not None:
             await close()

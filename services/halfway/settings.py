@@ -7,9 +7,11 @@ the services through these same variables.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import math
 import os
+import re
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -29,9 +31,13 @@ class SettingsError(ValueError):
     variable, the value and what it takes (the CLI prints it and exits 2, no traceback)."""
 
 
+PORT_MAX = 65535
+
+
 def _port(name: str, default: int, *, any_free: bool = False) -> int:
     """A port from the environment; with `any_free`, 0 means "pick a free one"."""
-    return int(number_from_env(name, default, whole=True, low=0 if any_free else 1, high=65535))
+    return int(number_from_env(name, default, whole=True, low=0 if any_free else 1,
+                               high=PORT_MAX))
 
 
 def number_from_env(name: str, default: float, *, whole: bool = False, low: float = 0.0,
@@ -62,14 +68,57 @@ def kafka_controller_port() -> int:
     return _port("HALFWAY_KAFKA_CONTROLLER_PORT", DEFAULT_KAFKA_CONTROLLER_PORT)
 
 
+BOOTSTRAP_ENV = "HALFWAY_KAFKA_BOOTSTRAP"
+HOST_CHARS_MAX = 253  # the longest DNS name
+SHOWN_CHARS_MAX = 80  # of a bad value, in its error
+_HOST_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a DNS name or an IPv4 address
+_PORT = re.compile(r"[0-9]{1,5}")
+
+
 def kafka_is_external() -> bool:
     """`HALFWAY_KAFKA_BOOTSTRAP` names a broker someone else runs: never start or stop one."""
-    return bool(os.environ.get("HALFWAY_KAFKA_BOOTSTRAP"))
+    return bool(os.environ.get(BOOTSTRAP_ENV))
 
 
 def kafka_bootstrap() -> str:
-    """Where clients connect: `HALFWAY_KAFKA_BOOTSTRAP` if set, else the local broker."""
-    return os.environ.get("HALFWAY_KAFKA_BOOTSTRAP") or f"{HOST}:{kafka_port()}"
+    """Where clients connect: `HALFWAY_KAFKA_BOOTSTRAP` if set (checked: a bad one is a
+    SettingsError here, not a traceback from deep inside aiokafka), else the local broker."""
+    raw = os.environ.get(BOOTSTRAP_ENV)
+    if not raw:
+        return f"{HOST}:{kafka_port()}"
+    bootstrap_addresses(raw)
+    return raw
+
+
+def bootstrap_addresses(bootstrap: str) -> list[tuple[str, int]]:
+    """(host, port) of each broker of a bootstrap list: `host:port` separated by commas, an
+    IPv6 address in brackets (`[::1]:9092`, returned without them). Raises SettingsError."""
+    out = []
+    for given in bootstrap.split(","):
+        entry = given.strip()
+        if entry.startswith("["):
+            host, bracket, port = entry[1:].partition("]:")
+            valid = bool(bracket) and _is_ipv6(host)
+        else:
+            host, colon, port = entry.partition(":")
+            valid = (bool(colon) and len(host) <= HOST_CHARS_MAX
+                     and bool(_HOST_NAME.fullmatch(host)))
+        if not (valid and _PORT.fullmatch(port) and 1 <= int(port) <= PORT_MAX):
+            which = "" if entry == bootstrap.strip() else f": {entry[:SHOWN_CHARS_MAX]!r}"
+            raise SettingsError(
+                f"{BOOTSTRAP_ENV}={bootstrap[:SHOWN_CHARS_MAX]!r}{which} is not host:port "
+                f"(brokers separated by commas, ports 1..{PORT_MAX}, an IPv6 address in "
+                "brackets: [::1]:9092)")
+        out.append((host, int(port)))
+    return out
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def pg_port() -> int:
@@ -227,12 +276,26 @@ def kafka_security(kind: str) -> dict[str, Any]:
     if kind not in KAFKA_KINDS:
         raise KafkaSecurityError(f"no Kafka principal kind {kind!r}: one of "
                                  f"{', '.join(KAFKA_KINDS)}")
-    if any(name in os.environ for name in _SECURITY_ENV):
+    if kafka_security_is_explicit():
         return _explicit_security()
     if kafka_bootstrap() != f"{HOST}:{kafka_port()}":
         return {}  # not the local dev broker (HALFWAY_KAFKA_BOOTSTRAP may name it too)
     passwords = kafka_dev_credentials()
     return {} if passwords is None else dev_security(kind, passwords)
+
+
+def kafka_security_is_explicit() -> bool:
+    """Whether any HALFWAY_KAFKA_* security variable is set (then they alone say how clients
+    authenticate)."""
+    return any(name in os.environ for name in _SECURITY_ENV)
+
+
+def kafka_credentials_source() -> str:
+    """Where this process's Kafka user name and password come from, for an error to name."""
+    if kafka_security_is_explicit():
+        return "HALFWAY_KAFKA_USERNAME, HALFWAY_KAFKA_PASSWORD or HALFWAY_KAFKA_PASSWORD_FILE"
+    return (f"the dev credentials file {kafka_dev_credentials_file()}, which `infra/dev up` "
+            "writes; HALFWAY_KAFKA_* variables override it")
 
 
 def dev_security(kind: str, passwords: dict[str, str]) -> dict[str, Any]:
