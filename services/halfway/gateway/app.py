@@ -17,17 +17,26 @@ key names a task, the record is stamped with that task's journal partition and t
 end offset, read after the body was verified and before publishing: a provider cannot know our
 key before we send it, so the webhook is evidence only about an attempt journaled below it.
 
-Refusals publish and remember nothing, and say why in `{"error": ...}`. A 4xx is permanent (the
-same request would be refused again); only a broker failure is a 503, which providers retry:
+Refusals publish and remember nothing, and say why in `{"error": ...}`. A 4xx but 408 is
+permanent (the same request would be refused again); only a broker failure is a 503, which
+providers retry:
 - 404: a provider we do not serve;
 - 400: no, garbled, forged, stale or future signature; a body that is not an event as the
   provider's mapping describes it, or that the reconciler could not read back (nested too deep,
-  text that is not Unicode, ...);
+  text that is not Unicode, ...), or an id, type or object id longer than the reconciler can
+  journal (`_check_bounds`);
+- 408: a body not in whole within BODY_READ_S of the handler starting to read it;
 - 409: a replay, i.e. a request we already accepted (the same signed timestamp and body, and
   webhook-id), still inside the tolerance window (a captured request re-sent: the provider
   re-signs each retry);
 - 413: a body, or the record made of it, larger than the journal takes;
 - 503: the broker did not answer (the journal's end offset, or the publish) in time.
+
+What the headers alone condemn (a Content-Length over the limit, a signature header missing or
+unreadable, a timestamp already outside the window) is refused before the body is read and
+before the request takes one of the REQUESTS_AT_ONCE_MAX slots; a request that takes one holds
+it for at most BODY_READ_S while its body arrives. Values a provider chose are cut to
+LOG_VALUE_CHARS_MAX in log lines.
 
 A provider's redelivery of an event we already published (a new signature, the same event id)
 is answered 200 `{"duplicate": true}` and not published again. Both memories (signatures and
@@ -39,8 +48,11 @@ topic is at-least-once, and downstream (the reconciler) dedupes by `provider_eve
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import logging
 import math
+import os
 import re
 import signal
 import sys
@@ -49,9 +61,10 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn, Protocol, get_args
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import MessageSizeTooLargeError
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
@@ -60,11 +73,17 @@ from pydantic import ValidationError
 from structlog.typing import FilteringBoundLogger
 
 from halfway import log, metrics
+from halfway.contract.events import StepSettled
 from halfway.contract.ids import KEY_PATTERN, parse_step_id, step_of_key
 from halfway.contract.topics import JOURNAL, WEBHOOKS
 from halfway.contract.webhooks import WebhookReceived
 from halfway.journal import JournalWriter
-from halfway.journal.admin import ensure_topics_once_up, topic_partitions
+from halfway.journal.admin import (
+    check_access,
+    ensure_topics_once_up,
+    topic_partitions,
+    unless_stopped,
+)
 from halfway.journal.limits import WRITER_RECORD_BYTES_MAX
 from halfway.journal.records import InvalidRecord, decode_webhook, describe, partition_of
 from halfway.listening import CannotListen, authority, bound_socket, why_not
@@ -72,11 +91,17 @@ from halfway.settings import KafkaSettings, gateway_host, gateway_port
 from halfway.webhooks import delivery, mapping, providers, standard
 from halfway.webhooks.delivery import Delivery
 from halfway.webhooks.providers import Provider, ProviderError
-from halfway.webhooks.signature import TOLERANCE_S_DEFAULT, SignatureError
+from halfway.webhooks.signature import HEADER as STRIPE_HEADER
+from halfway.webhooks.signature import TOLERANCE_S_DEFAULT, Reason, SignatureError
+from halfway.webhooks.signature import _timestamp as stripe_timestamp
 
 BODY_BYTES_MAX = 1024 * 1024  # Stripe events are well under this; more is not a webhook
+# A provider sends its event at once: a body still arriving after this is a stalled or hostile
+# client holding a slot (then 408, and the slot is free again).
+BODY_READ_S = 5.0
 # Requests served at once (each may hold a body of BODY_BYTES_MAX and wait on the broker); past
-# it a request is 503 with Retry-After at once, before its body is read: providers retry.
+# it a request is 503 with Retry-After at once, before its body is read: providers retry. What
+# the headers alone refuse takes no slot.
 REQUESTS_AT_ONCE_MAX = 256
 BUSY_RETRY_AFTER_S = 1
 MEMORY_ENTRIES_MAX = 100_000  # per memory; past it the oldest entry is forgotten
@@ -93,6 +118,36 @@ RECORD_HEADROOM_BYTES = 1024
 RECORD_BYTES_MAX = WRITER_RECORD_BYTES_MAX - RECORD_HEADROOM_BYTES
 SHUTDOWN_TIMEOUT_S = 5.0
 ERROR_CHARS_MAX = 500
+LOG_VALUE_CHARS_MAX = 200  # of each value a provider chose (ids, types), in a log line
+
+
+def _chars_max(constraints: Iterable[object]) -> int:
+    """The max_length among a field's declared constraints: the bound read where it is
+    declared, so the gateway's and the contract's cannot drift apart."""
+    bounds = [getattr(c, "max_length", None) for c in constraints]
+    return next(b for b in bounds if isinstance(b, int))
+
+
+# How long each value the mapping reads may be, so that the reconciler can journal what it
+# settles from it. The object id becomes a settlement's effect_id.
+OBJECT_ID_CHARS_MAX = _chars_max(StepSettled.model_fields["effect_id"].metadata)
+# The event's type and id are quoted in settlements (evidence, reasons, a contradiction of at
+# most 2000 characters): a type as long as a provider may declare one, an id as long as an
+# object id.
+EVENT_TYPE_CHARS_MAX = _chars_max(get_args(mapping.EventType)[1:])
+EVENT_ID_CHARS_MAX = OBJECT_ID_CHARS_MAX
+
+# A secret no provider signs with. Asked with it and an empty body, a verifier refuses only for
+# what it read in the headers, or says "no match", which means nothing without the body.
+_NOBODYS_SECRET = "whsec_" + base64.b64encode(os.urandom(32)).decode()
+# Those verdicts that no body could change, by format. Stripe's library reads the whole header
+# before it compares a signature. The Standard Webhooks library checks that its headers are
+# there and the timestamp is in its window first; a garbled signature entry is left to the
+# whole check (in some versions, it does not count once an earlier entry matched).
+_HEADER_VERDICTS: dict[str, frozenset[Reason]] = {
+    "stripe": frozenset({"missing", "garbled", "no_v1"}),
+    "standardwebhooks": frozenset({"missing", "stale", "future"}),
+}
 
 _KEY = re.compile(KEY_PATTERN)
 
@@ -182,6 +237,7 @@ class Gateway:
     providers: dict[str, Provider]
     tolerance_s: float = TOLERANCE_S_DEFAULT
     journal: JournalEnds | None = None  # None: webhooks that name a task cannot be stamped
+    body_read_s: float = BODY_READ_S
     signatures: _Memory = field(init=False)
     event_ids: _Memory = field(init=False)
     # Event ids being published right now, so a concurrent redelivery waits for the outcome
@@ -218,6 +274,69 @@ class _Record:
 
 def _refuse(status: int, reason: str) -> web.Response:
     return web.json_response({"error": reason[:ERROR_CHARS_MAX]}, status=status)
+
+
+def _cut(value: str | None) -> str | None:
+    """A value the provider chose, as a log line holds it: at most LOG_VALUE_CHARS_MAX
+    characters, and the length when it was cut."""
+    if value is None or len(value) <= LOG_VALUE_CHARS_MAX:
+        return value
+    return f"{value[:LOG_VALUE_CHARS_MAX]}… ({len(value)} characters)"
+
+
+def _header_verdict(provider: Provider, headers: Mapping[str, str], now_s: float,
+                    tolerance_s: float) -> SignatureError | None:
+    """Why the request's headers alone say it will be refused whatever its body; None if only
+    the body can tell. Never refuses what the whole check would accept."""
+    try:
+        delivery.verify(Provider(provider.declaration, (_NOBODYS_SECRET,)), b"", headers, now_s,
+                        tolerance_s)
+    except SignatureError as exc:
+        if exc.kind in _HEADER_VERDICTS[provider.format]:
+            return exc
+        if exc.kind != "mismatch":
+            return None
+    if provider.format == "stripe":
+        # Stripe checks the clock only once a signature matched; the header's t= (readable:
+        # the library read it) tells already that it will be too old by then.
+        signed_at_s = stripe_timestamp(headers[STRIPE_HEADER])
+        if signed_at_s < now_s - tolerance_s:
+            return SignatureError("stale", f"timestamp too old: signed {int(now_s) - signed_at_s}"
+                                  f" s ago, beyond the {tolerance_s:g} s tolerance")
+    return None
+
+
+def _refused_by_headers(gateway: Gateway, provider: Provider, request: web.Request,
+                        logger: FilteringBoundLogger) -> web.Response | None:
+    """The refusal of a request its headers alone condemn, before its body is waited for and
+    before it takes a slot: a client trickling such a body holds nothing."""
+    length = request.content_length
+    if length is not None and length > BODY_BYTES_MAX:
+        logger.warning("webhook refused", why="too_large", content_length=length)
+        return _refuse(413, f"the body is larger than {BODY_BYTES_MAX} bytes "
+                            f"(Content-Length: {length})")
+    refusal = _header_verdict(provider, request.headers, time.time(), gateway.tolerance_s)
+    if refusal is None:
+        return None
+    logger.warning("webhook refused", why=refusal.kind, reason=refusal.reason, body_read=False)
+    return _refuse(400, refusal.reason)
+
+
+def _check_bounds(provider: Provider, received: WebhookReceived) -> None:
+    """_Malformed (400) naming the first value the mapping read that is longer than the field
+    it feeds may be: what the gateway accepts, the reconciler can journal. (Our key needs no
+    check: one that does not match the key pattern, which bounds it, is recorded as absent.)"""
+    where = provider.mapping
+    for what, place, value, chars_max, why in (
+            ("id", where.event_id or f"the {standard.ID_HEADER} header",
+             received.provider_event_id, EVENT_ID_CHARS_MAX, "settlements quote"),
+            ("type", where.event_type, received.provider_event_type, EVENT_TYPE_CHARS_MAX,
+             "a provider may declare, and settlements quote"),
+            ("object id", where.object_id, received.object_id, OBJECT_ID_CHARS_MAX,
+             "a settlement's effect_id holds")):
+        if len(value) > chars_max:
+            raise _Malformed(f"the event's {what} ({place}) is {len(value)} characters long, "
+                             f"more than the {chars_max} {why}")
 
 
 def _reject_constant(name: str) -> Any:
@@ -306,6 +425,9 @@ async def receive(request: web.Request) -> web.Response:
         return _answered("unknown", _refuse(
             404, f"unknown provider {name[:100]!r}: webhooks are accepted for {known}"))
     logger = log.get("halfway.gateway", provider=name)
+    refused = _refused_by_headers(gateway, provider, request, logger)
+    if refused is not None:
+        return _answered(name, refused)
     if gateway.serving >= REQUESTS_AT_ONCE_MAX:
         logger.warning("webhook refused", why="busy", serving=gateway.serving)
         busy = _refuse(503, f"{REQUESTS_AT_ONCE_MAX} webhooks are being received; retry")
@@ -325,12 +447,33 @@ def _answered(provider: str, response: web.Response) -> web.Response:
     return response
 
 
-async def _receive(gateway: Gateway, request: web.Request, name: str, provider: Provider,
-                   logger: FilteringBoundLogger) -> web.Response:
+async def _read_body(request: web.Request, deadline_s: float, logger: FilteringBoundLogger,
+                     ) -> bytes | web.Response:
+    """The whole body, or the refusal: a body not in within `deadline_s` (a slow or stalled
+    client would hold its slot for as long as it likes), too large, or unreadable."""
     try:
-        body = await request.read()
+        async with asyncio.timeout(deadline_s):
+            return await request.read()
+    except TimeoutError:
+        logger.warning("webhook refused", why="slow_body", deadline_s=deadline_s)
+        late = _refuse(408, f"the body did not arrive within {deadline_s:g} s")
+        late.force_close()  # no further request on this connection
+        return late
     except web.HTTPRequestEntityTooLarge:
         return _refuse(413, f"the body is larger than {BODY_BYTES_MAX} bytes")
+    except (HttpProcessingError, web.RequestPayloadError) as exc:  # a garbled chunked body
+        logger.warning("webhook refused", why="unreadable_body", reason=_cut(str(exc)))
+        return _refuse(400, f"the body could not be read: {exc}")
+    except ConnectionError:  # the client left; no one reads the answer
+        logger.warning("webhook refused", why="disconnected")
+        return _refuse(400, "the connection closed before the body arrived")
+
+
+async def _receive(gateway: Gateway, request: web.Request, name: str, provider: Provider,
+                   logger: FilteringBoundLogger) -> web.Response:
+    body = await _read_body(request, gateway.body_read_s, logger)
+    if isinstance(body, web.Response):
+        return body
     now_s = time.time()
     try:
         verified = delivery.verify(provider, body, request.headers, now_s, gateway.tolerance_s)
@@ -345,6 +488,7 @@ async def _receive(gateway: Gateway, request: web.Request, name: str, provider: 
     try:
         received = _read_event(provider, body, verified)
         record = _record(gateway.settings, received)
+        _check_bounds(provider, received)
     except _Malformed as exc:
         logger.warning("webhook refused", why="malformed", status=exc.status,
                        reason=exc.reason[:ERROR_CHARS_MAX])
@@ -380,7 +524,7 @@ async def _stamp(gateway: Gateway, received: WebhookReceived, logger: FilteringB
         partition, offset = await gateway.journal.end_of(received.task_id)
     except Exception as exc:  # the broker's errors are many; each means "not known now"
         logger.error("journal end not read", error=repr(exc)[:ERROR_CHARS_MAX],
-                     event_id=received.provider_event_id)
+                     event_id=_cut(received.provider_event_id))
         return _refuse(503, f"could not read the journal's end ({type(exc).__name__}); retry")
     stamped = received.model_copy(update={"journal_partition": partition,
                                           "journal_offset": offset})
@@ -393,8 +537,9 @@ async def _stamp(gateway: Gateway, received: WebhookReceived, logger: FilteringB
 async def _publish_once(gateway: Gateway, received: WebhookReceived, record: _Record,
                         logger: FilteringBoundLogger) -> web.Response:
     event = (received.provider, received.provider_event_id)
-    fields = {"event_id": received.provider_event_id, "event_type": received.provider_event_type,
-              "object_id": received.object_id, "key": received.key}
+    fields = {"event_id": _cut(received.provider_event_id),
+              "event_type": _cut(received.provider_event_type),
+              "object_id": _cut(received.object_id), "key": _cut(received.key)}
     pending = gateway.publishing.get(event)
     # The same event being published by another request: its outcome is ours.
     if pending is not None and not await asyncio.shield(pending):
@@ -414,7 +559,7 @@ async def _publish_once(gateway: Gateway, received: WebhookReceived, record: _Re
         logger.error("webhook not published", error=repr(exc)[:ERROR_CHARS_MAX], **fields)
         return _refuse(413, "the event's record is larger than the journal takes")
     except Exception as exc:  # the broker's errors are many; each means "not acknowledged"
-        logger.error("webhook not published", error=repr(exc), **fields)
+        logger.error("webhook not published", error=repr(exc)[:ERROR_CHARS_MAX], **fields)
         return _refuse(503, f"could not publish the webhook ({type(exc).__name__}); retry")
     finally:
         del gateway.publishing[event]
@@ -431,15 +576,19 @@ async def _publish_once(gateway: Gateway, received: WebhookReceived, record: _Re
 def make_app(settings: KafkaSettings, writer: JournalWriter,
              served: Iterable[Provider] | Mapping[str, Provider], *,
              tolerance_s: float = TOLERANCE_S_DEFAULT,
-             journal: JournalEnds | None = None) -> web.Application:
+             journal: JournalEnds | None = None,
+             body_read_s: float = BODY_READ_S) -> web.Application:
     """The gateway for the `served` providers (`webhooks.providers.load()`, or `paysim(secret)`
     in tests), each at `/webhooks/{name}`.
 
     `writer` must be started; the app neither starts nor stops it. `journal` says where the
     journal ends (the stamp on webhooks that name a task); without one the app reads the
-    journal topic itself, from its startup to its cleanup."""
+    journal topic itself, from its startup to its cleanup. A body not in `body_read_s` after
+    the handler starts reading it is answered 408. Serve it with `make_runner`."""
     if tolerance_s <= 0:
         raise ValueError(f"tolerance_s must be positive, got {tolerance_s}")
+    if body_read_s <= 0:
+        raise ValueError(f"body_read_s must be positive, got {body_read_s}")
     app = web.Application(client_max_size=BODY_BYTES_MAX)
     if journal is None:
         ends = KafkaJournalEnds(settings)
@@ -457,9 +606,34 @@ def make_app(settings: KafkaSettings, writer: JournalWriter,
     by_name = {p.name: p for p in listed}
     if len(by_name) != len(listed):
         raise ValueError("two providers of the same name")
-    app[GATEWAY] = Gateway(settings, writer, by_name, tolerance_s, journal)
+    app[GATEWAY] = Gateway(settings, writer, by_name, tolerance_s, journal, body_read_s)
     app.router.add_post("/webhooks/{provider}", receive)
     return app
+
+
+class _ServerLog(logging.LoggerAdapter[logging.Logger]):
+    """aiohttp's log of the requests it serves (its `logger` option). A request its HTTP
+    parser refuses (a header over its 8190 bytes, a garbled request line or chunk) is one any
+    client can send: aiohttp answers it 400 itself, before any handler or middleware of ours,
+    and logs it here as a warning, without a traceback. Anything else it logs stays an error
+    with its traceback: a fault of ours."""
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True,
+                  **kwargs: Any) -> None:
+        if isinstance(exc_info, HttpProcessingError):
+            self.warning(f"{msg}: refused by the HTTP parser: %s", *args,
+                         _cut(str(exc_info.message)), **kwargs)
+            return
+        super().exception(msg, *args, exc_info=exc_info, **kwargs)
+
+
+_SERVER_LOG = _ServerLog(logging.getLogger("aiohttp.server"))
+
+
+def make_runner(app: web.Application) -> web.AppRunner:
+    """The runner the gateway's app is served with (`serve_gateway`, and tests)."""
+    return web.AppRunner(app, access_log=None, logger=_SERVER_LOG,
+                         shutdown_timeout=SHUTDOWN_TIMEOUT_S)
 
 
 async def serve_gateway(host: str | None = None, port: int | None = None) -> None:
@@ -480,21 +654,25 @@ async def serve_gateway(host: str | None = None, port: int | None = None) -> Non
         logger.info("webhook provider not served", why=why)
     host = host or gateway_host()
     port = gateway_port() if port is None else port
+    settings = KafkaSettings.from_env("gateway")  # a bad setting stops it before it binds
     # Bound first, so a port in use stops the start before the broker is waited for.
     try:
         sock = await bound_socket(host, port, **_SETTINGS)
     except CannotListen as exc:
         _not_started(logger, str(exc))
-    settings = KafkaSettings.from_env("gateway")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     with sock:  # closed however the gateway ends
-        await ensure_topics_once_up(settings, (WEBHOOKS, JOURNAL))
+        # A stop also ends the wait for the broker, which may never answer. The wrong
+        # credentials stop it here: a webhook it may not publish is no temporary failure.
+        if not await unless_stopped(stop, _ready(settings)):
+            logger.info("gateway stopped")
+            return
         async with JournalWriter(settings) as writer:
             app = make_app(settings, writer, loaded.providers)
-            runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+            runner = make_runner(app)
             await runner.setup()
             try:
                 try:
@@ -512,6 +690,12 @@ async def serve_gateway(host: str | None = None, port: int | None = None) -> Non
 
 
 _SETTINGS = {"host_setting": "HALFWAY_GATEWAY_HOST", "port_setting": "HALFWAY_GATEWAY_PORT"}
+
+
+async def _ready(settings: KafkaSettings) -> None:
+    """The broker answers, the topics exist, and this principal may write webhooks."""
+    await ensure_topics_once_up(settings, (WEBHOOKS, JOURNAL))
+    await check_access(settings, "gateway")
 
 
 def _not_started(logger: FilteringBoundLogger, reason: str) -> NoReturn:
