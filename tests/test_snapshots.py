@@ -378,28 +378,37 @@ async def test_a_snapshot_round_trips_through_the_broker_and_a_tampered_one_is_r
 
 @pytest.mark.broker
 async def test_an_image_that_starts_past_its_logs_end_is_refused(
-        topics: KafkaSettings, writer: JournalWriter) -> None:
+        own_deployment: KafkaSettings) -> None:
     """Restored, it would skip every record the log writes up to there (a partition that
-    looks caught up and never acts): the log lost records, or the image is not of this log."""
+    looks caught up and never acts): the log lost records, or the image is not of this log.
+    Topics of its own: the session's are written by every other test."""
+    settings = own_deployment
     f = follower()
     feed(f, task_records("running", "live-1", BASE), {JOURNAL_TP: 0, SIDE_TP: 0})
     base = f.image(0)
     assert base is not None
     group = "snap-test-beyond"
-    journal = TopicPartition(JOURNAL.name(topics.topic_prefix), 0)
-    side = TASKS.name(topics.topic_prefix)
+    journal = TopicPartition(JOURNAL.name(settings.topic_prefix), 0)
+    side = TopicPartition(TASKS.name(settings.topic_prefix), 0)
     image = replace(base, journal_next=base.journal_next + 300)
-    pointer = await snapshots.write(writer, group, image, snapshots.encode(image))
-    await _commit(topics, group, journal, image.journal_next, pointer.metadata(), fill=False)
-    assert await snapshots.load(topics, group, [journal]) == {}
-    # Written up to there, the same image is used; past its side topic's end, it is not.
-    await _commit(topics, group, journal, image.journal_next, pointer.metadata())
-    assert sorted(await snapshots.load(topics, group, [journal])) == [0]
+    async with JournalWriter(settings) as writer:
+        pointer = await snapshots.write(writer, group, image, snapshots.encode(image))
+    await _commit(settings, group, journal, image.journal_next, pointer.metadata(), fill=False)
+    assert await snapshots.load(settings, group, [journal]) == {}
+    # Written up to there, the same image is used; past its side topic's end, it is not
+    # (then written up to there too: used).
+    await _commit(settings, group, journal, image.journal_next, pointer.metadata())
+    assert sorted(await snapshots.load(settings, group, [journal])) == [0]
     assert image.side_next is not None
     assert image.side_next > 0
-    loaded = [n async for n, used in snapshots.load_each(topics, group, [journal], side=side)
-              if used is not None]
-    assert loaded == []
+
+    async def used() -> list[int]:
+        return [n async for n, got in snapshots.load_each(settings, group, [journal],
+                                                          side=side.topic) if got is not None]
+
+    assert await used() == []
+    await _commit(settings, "snap-test-filler", side, image.side_next, "")
+    assert await used() == [0]
 
 
 def test_an_image_that_unpacks_beyond_reason_is_refused_unread() -> None:
