@@ -46,7 +46,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiokafka.conn import AIOKafkaConnection, create_conn
-from aiokafka.errors import for_code
+from aiokafka.errors import (
+    AuthenticationFailedError,
+    AuthenticationMethodNotSupported,
+    IllegalSaslStateError,
+    KafkaConnectionError,
+    KafkaError,
+    SaslAuthenticationFailed,
+    UnsupportedSaslMechanismError,
+    for_code,
+)
 from aiokafka.protocol.admin import (
     CreateAclsRequest_v1,
     DeleteAclsRequest_v1,
@@ -64,7 +73,7 @@ from halfway.contract.topics import (
     WEBHOOKS,
     TopicSpec,
 )
-from halfway.settings import KafkaSettings
+from halfway.settings import KafkaSettings, bootstrap_addresses
 
 # Kafka's protocol codes (org.apache.kafka.common.resource / acl).
 ANY_RESOURCE, TOPIC, GROUP = 1, 2, 3
@@ -164,19 +173,32 @@ class _DeleteAcls(Request[DeleteAclsRequest_v1]):
         return request_struct_class(self._filters)
 
 
-async def connect(settings: KafkaSettings) -> AIOKafkaConnection:
+# The broker refuses these credentials: every broker checks the same ones, and waiting would
+# not mend it.
+AUTHENTICATION_ERRORS = (SaslAuthenticationFailed, UnsupportedSaslMechanismError,
+                         IllegalSaslStateError, AuthenticationFailedError,
+                         AuthenticationMethodNotSupported)
+ERROR_CHARS_MAX = 300  # of one broker's error, in the error of none answering
+
+
+async def connect(settings: KafkaSettings, *, timeout_s: float = CONNECT_TIMEOUT_S,
+                  ) -> AIOKafkaConnection:
     """One authenticated connection to a broker of the bootstrap list (the first that
-    answers): for the admin requests aiokafka's admin client does not offer."""
+    answers): for the requests aiokafka's clients do not offer, or whose answers they do not
+    pass on. A refused login raises its AUTHENTICATION_ERRORS at once; no broker answering
+    within `timeout_s` each, KafkaConnectionError."""
     errors = []
-    for address in settings.bootstrap.split(","):
-        host, _, port = address.strip().rpartition(":")
+    for host, port in bootstrap_addresses(settings.bootstrap):
         try:
-            async with asyncio.timeout(CONNECT_TIMEOUT_S):
-                return await create_conn(host, int(port), request_timeout_ms=REQUEST_TIMEOUT_MS,
+            async with asyncio.timeout(timeout_s):
+                return await create_conn(host, port, request_timeout_ms=REQUEST_TIMEOUT_MS,
                                          **settings.security)
-        except Exception as exc:  # the next broker may answer; all errors are reported below
-            errors.append(f"{address}: {type(exc).__name__}: {exc}")
-    raise ConnectionError(f"no broker of {settings.bootstrap} answered: {'; '.join(errors)}")
+        except AUTHENTICATION_ERRORS:
+            raise
+        except (KafkaError, OSError, TimeoutError) as exc:  # the next broker may answer
+            errors.append(f"{host}:{port}: {type(exc).__name__}: {exc}"[:ERROR_CHARS_MAX])
+    raise KafkaConnectionError(f"no broker of {settings.bootstrap} answered: "
+                               f"{'; '.join(errors)}")
 
 
 async def ensure_acls(settings: KafkaSettings) -> int:

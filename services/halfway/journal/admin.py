@@ -8,18 +8,14 @@ import asyncio
 from collections.abc import Awaitable
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.conn import AIOKafkaConnection, create_conn
+from aiokafka.conn import AIOKafkaConnection
 from aiokafka.errors import (
-    AuthenticationFailedError,
-    AuthenticationMethodNotSupported,
     ClusterAuthorizationFailedError,
     GroupAuthorizationFailedError,
-    IllegalSaslStateError,
     IncompatibleBrokerVersion,
     KafkaConnectionError,
     KafkaError,
     KafkaTimeoutError,
-    SaslAuthenticationFailed,
     TopicAuthorizationFailedError,
     TransactionalIdAuthorizationFailed,
     UnsupportedSaslMechanismError,
@@ -31,11 +27,18 @@ from aiokafka.protocol.types import Array, Boolean, Int16, Int32, Schema, String
 
 from halfway import log
 from halfway.contract.topics import ALL_TOPICS, TASK_KEYED, TopicSpec
-from halfway.journal.acls import GROUPS, READ, READS, WRITE, WRITES
+from halfway.journal.acls import (
+    AUTHENTICATION_ERRORS,
+    GROUPS,
+    READ,
+    READS,
+    WRITE,
+    WRITES,
+    connect,
+)
 from halfway.settings import (
     KafkaSettings,
     SettingsError,
-    bootstrap_addresses,
     kafka_credentials_source,
 )
 
@@ -50,10 +53,6 @@ BROKER_WAIT_S_MAX = 10.0
 CONNECT_TIMEOUT_S = 10.0
 ERROR_CHARS_MAX = 300
 
-# The broker refuses these credentials: waiting would not mend it.
-AUTHENTICATION_ERRORS = (SaslAuthenticationFailed, UnsupportedSaslMechanismError,
-                         IllegalSaslStateError, AuthenticationFailedError,
-                         AuthenticationMethodNotSupported)
 # The broker refuses this principal a right: neither would it.
 AUTHORIZATION_ERRORS = (TopicAuthorizationFailedError, GroupAuthorizationFailedError,
                         ClusterAuthorizationFailedError, TransactionalIdAuthorizationFailed)
@@ -157,21 +156,12 @@ async def unless_stopped(stop: asyncio.Event, work: Awaitable[object]) -> bool:
 
 
 async def _connect(settings: KafkaSettings) -> AIOKafkaConnection:
-    """One authenticated connection to the first broker of the bootstrap list that answers.
-    A refused login is KafkaAccessError at once (every broker checks the same credentials);
-    no broker answering, KafkaConnectionError."""
-    errors = []
-    for host, port in bootstrap_addresses(settings.bootstrap):
-        try:
-            async with asyncio.timeout(CONNECT_TIMEOUT_S):
-                return await create_conn(host, port, request_timeout_ms=int(
-                    CONNECT_TIMEOUT_S * 1000), **settings.security)
-        except AUTHENTICATION_ERRORS as exc:
-            raise _login_refused(settings, f"{host}:{port}", exc) from None
-        except (KafkaError, OSError, TimeoutError) as exc:  # the next broker may answer
-            errors.append(f"{host}:{port}: {type(exc).__name__}")
-    raise KafkaConnectionError(f"no broker of {settings.bootstrap} answered "
-                               f"({'; '.join(errors)})")
+    """`acls.connect`, a refused login as KafkaAccessError; no broker answering,
+    KafkaConnectionError."""
+    try:
+        return await connect(settings, timeout_s=CONNECT_TIMEOUT_S)
+    except AUTHENTICATION_ERRORS as exc:
+        raise _login_refused(settings, settings.bootstrap, exc) from None
 
 
 async def _check_login(settings: KafkaSettings) -> None:
