@@ -187,6 +187,24 @@ async def test_a_dev_credentials_file_the_broker_refuses_is_named(
     assert password not in err
 
 
+@pytest.mark.broker
+@pytest.mark.parametrize("command", [["abort", "t-1", "--reason", "because"],
+                                     ["resolve", "t-1:1", "not_done", "--reason", "because"],
+                                     ["replay", "--task", "t-1"]])
+async def test_an_operators_command_the_broker_refuses_says_so_not_that_no_broker_answers(
+        deployment: KafkaSettings, command: list[str]) -> None:
+    """aiokafka says "Unable to bootstrap" for refused credentials too: the command asks."""
+    password = f"not-it-{uuid.uuid4().hex}"
+    code, err = await halfway(*command, environ=environ(
+        deployment.topic_prefix, HALFWAY_KAFKA_BOOTSTRAP=deployment.bootstrap,
+        HALFWAY_KAFKA_USERNAME="operator", HALFWAY_KAFKA_PASSWORD=password))
+    assert code == 2, err
+    line = plain_line(err)
+    assert "refused user operator over SCRAM-SHA-512" in line, line
+    assert "no Kafka broker answers" not in err
+    assert password not in err
+
+
 # --- a principal without the rights its kind needs -----------------------------------------------
 
 

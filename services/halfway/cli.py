@@ -608,6 +608,10 @@ def main() -> None:
         typer.echo(f"halfway: {exc}", err=True)
         sys.exit(2)
     except KafkaConnectionError as exc:
+        refused = _login_refused()
+        if refused is not None:  # aiokafka says "Unable to bootstrap" for a wrong password too
+            typer.echo(f"halfway: {refused}", err=True)
+            sys.exit(2)
         typer.echo(f"halfway: no Kafka broker answers at {_kafka_address()} ({exc}): is it "
                    "running (halfway up, or halfway dev)? HALFWAY_KAFKA_BOOTSTRAP or "
                    "HALFWAY_KAFKA_PORT say where", err=True)
@@ -619,6 +623,28 @@ def main() -> None:
 
 class PostgresUnreachable(Exception):
     """The read model's database did not answer; the message says where and what to do."""
+
+
+LOGIN_CHECK_S = 15.0  # asking a broker whether it refused our credentials, at most
+
+
+def _login_refused() -> str | None:
+    """Why the broker refuses the operator's credentials, if it does (the commands that meet
+    a bare connection error act as the operator; every kind's credentials come from the same
+    place)."""
+    from halfway.journal.admin import KafkaAccessError, check_login
+
+    async def check() -> None:
+        async with asyncio.timeout(LOGIN_CHECK_S):
+            await check_login(KafkaSettings.from_env("operator"))
+
+    try:
+        asyncio.run(check())
+    except KafkaAccessError as exc:
+        return str(exc)
+    except Exception:  # nobody answers, or the check itself failed: the broker is the news
+        return None
+    return None
 
 
 def _kafka_address() -> str:

@@ -126,7 +126,7 @@ async def ensure_topics_once_up(settings: KafkaSettings,
             await asyncio.sleep(delay_s)
             delay_s = min(BROKER_WAIT_S_MAX, delay_s * 2)
         except (KafkaConnectionError, KafkaTimeoutError, OSError) as exc:
-            await _check_login(settings)
+            await check_login(settings)
             logger.warning("waiting for the broker", bootstrap=settings.bootstrap,
                            error=str(exc)[:ERROR_CHARS_MAX], retry_in_s=delay_s)
             await asyncio.sleep(delay_s)
@@ -164,7 +164,7 @@ async def _connect(settings: KafkaSettings) -> AIOKafkaConnection:
         raise _login_refused(settings, settings.bootstrap, exc) from None
 
 
-async def _check_login(settings: KafkaSettings) -> None:
+async def check_login(settings: KafkaSettings) -> None:
     """Raise KafkaAccessError if a broker refuses these credentials. aiokafka's clients log
     why a connection failed and raise a bare KafkaConnectionError ("Unable to bootstrap"), so a
     wrong password looks like a broker that is down: ask one broker over a connection of ours."""
