@@ -445,3 +445,19 @@ async def test_a_header_over_aiohttps_limit_is_a_warning_without_a_traceback(
     assert record.levelno == logging.WARNING
     assert record.exc_info is None
     assert "refused by the HTTP parser: Got more than 8190 bytes" in record.getMessage()
+
+
+async def test_a_right_taken_away_after_start_is_said_not_retried(serve: Serve) -> None:
+    """The broker refusing the gateway's principal is no temporary failure: not a 503 "retry",
+    but a 500 that says what an operator must do."""
+    from aiokafka.errors import KafkaTimeoutError, TopicAuthorizationFailedError
+
+    served = await serve()
+    served.writer.error = TopicAuthorizationFailedError("webhooks")
+    refused = await post_signed(served, charge_event(None))
+    assert refused.status_code == 500, refused.text
+    assert "may not write the webhooks topic" in refused.json()["error"]
+    assert "retry" not in refused.json()["error"]
+    served.writer.error = KafkaTimeoutError()  # a broker that does not answer: retry
+    busy = await post_signed(served, charge_event(None))
+    assert busy.status_code == 503, busy.text

@@ -30,6 +30,8 @@ providers retry:
   webhook-id), still inside the tolerance window (a captured request re-sent: the provider
   re-signs each retry);
 - 413: a body, or the record made of it, larger than the journal takes;
+- 500: the broker refuses the gateway's principal the right to publish (taken away after the
+  start, which checks it): an operator must restore it;
 - 503: the broker did not answer (the journal's end offset, or the publish) in time.
 
 What the headers alone condemn (a Content-Length over the limit, a signature header missing or
@@ -79,6 +81,7 @@ from halfway.contract.topics import JOURNAL, WEBHOOKS
 from halfway.contract.webhooks import WebhookReceived
 from halfway.journal import JournalWriter
 from halfway.journal.admin import (
+    AUTHORIZATION_ERRORS,
     check_access,
     ensure_topics_once_up,
     topic_partitions,
@@ -558,6 +561,11 @@ async def _publish_once(gateway: Gateway, received: WebhookReceived, record: _Re
     except MessageSizeTooLargeError as exc:  # checked before; kept permanent if it slips by
         logger.error("webhook not published", error=repr(exc)[:ERROR_CHARS_MAX], **fields)
         return _refuse(413, "the event's record is larger than the journal takes")
+    except AUTHORIZATION_ERRORS as exc:  # a right taken away after start: no retry mends it
+        logger.error("webhook not published: the gateway may not write the webhooks topic",
+                     error=repr(exc)[:ERROR_CHARS_MAX], **fields)
+        return _refuse(500, "the gateway's Kafka principal may not write the webhooks topic "
+                            "(an operator must restore its rights: docs/security.md)")
     except Exception as exc:  # the broker's errors are many; each means "not acknowledged"
         logger.error("webhook not published", error=repr(exc)[:ERROR_CHARS_MAX], **fields)
         return _refuse(503, f"could not publish the webhook ({type(exc).__name__}); retry")
