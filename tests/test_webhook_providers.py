@@ -11,10 +11,8 @@ between the two calls cannot change a verdict.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -47,6 +45,7 @@ from halfway.webhooks.providers import (
     paysim,
 )
 from halfway.webhooks.signature import SignatureError, sign, signature, verify
+from tests.test_cli_hostile import halfway
 from tests.test_webhooks import OFFLINE, FakeJournal, FakeWriter
 
 pytest.register_assert_rewrite("tests.processes")
@@ -58,7 +57,6 @@ pytest_plugins = ["tests.processes"]
 broker = pytest.mark.broker
 TOLERANCE_S = 300
 EDGE_S = 2  # how far from the tolerance's edge a timestamp is kept (see the module docstring)
-EXIT_WAIT_S = 60.0  # a cold interpreter, then a refusal before any network: well within this
 HTTP_TIMEOUT_S = 30.0
 WAIT_S = 90.0
 
@@ -607,18 +605,7 @@ async def run_gateway(environ: dict[str, str]) -> tuple[int, str]:
             if not k.startswith("HALFWAY_") or k in ("HALFWAY_HOME",)}
     env = base | {"HALFWAY_KAFKA_BOOTSTRAP": "127.0.0.1:9", "HALFWAY_GATEWAY_PORT": "0",
                   "HALFWAY_LOG_FORMAT": "json"} | environ
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "halfway", "run", "gateway", env=env,
-        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE)
-    try:
-        _, err = await asyncio.wait_for(process.communicate(), EXIT_WAIT_S)
-    except TimeoutError:
-        process.kill()
-        await process.wait()
-        raise AssertionError("the gateway did not exit: it went on without a secret") from None
-    assert process.returncode is not None
-    return process.returncode, err.decode(errors="replace")
+    return await halfway("run", "gateway", environ=env)  # fails if it went on
 
 
 async def test_the_gateway_refuses_to_start_without_a_secret_outside_dev_mode() -> None:

@@ -360,15 +360,19 @@ class Refused:
     reason: str
 
 
+def _named(tool_name: str) -> str:
+    """A proposed tool's name in a refusal: an empty one said so, not left blank."""
+    return tool_name if tool_name.strip() else f"{tool_name!r} (no name)"
+
+
 def accept_call(state: TaskState, n: int, tool: ToolFacts | None, tool_name: str,
                 args: dict[str, Any]) -> dict[str, Any] | Refused:
     """The fields of `step.intended` for the model's proposal, or why it is refused."""
     assert state.started is not None
-    named = tool_name if tool_name.strip() else f"{tool_name!r} (no name)"
     if tool_name not in state.started.allowed_tools:
-        return Refused(f"refused: {named} is not allowed for this task")
+        return Refused(f"refused: {_named(tool_name)} is not allowed for this task")
     if tool is None:
-        return Refused(f"refused: there is no tool named {named}")
+        return Refused(f"refused: there is no tool named {_named(tool_name)}")
     size_bytes = args_bytes(args)
     if size_bytes > ARGS_BYTES_MAX:
         return Refused(f"refused: the arguments for {tool_name} are {size_bytes} bytes of "
