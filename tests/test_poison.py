@@ -160,6 +160,10 @@ def poisons(settings: KafkaSettings, task_id: str, subject: str) -> list[Poison]
         other = json.dumps(source.doc(f"{owner}-other", PAD)).encode()  # another task's
         deep = valid.replace(f'"{PAD}"'.encode(),
                              b"[" * NESTING + f'"{PAD}"'.encode() + b"]" * NESTING)
+        # Dated past the contract's calendar: folded, its time would overflow the services'
+        # date arithmetic (sealing, backoffs) in every process, at every restart.
+        far = source.doc(owner, PAD)
+        far["received_at" if "received_at" in far else "at"] = "9999-12-31T23:59:59Z"
         bad: dict[str, tuple[bytes | None, str]] = {
             "not-utf8": ((b"\xff\xfe" * size)[:size], "Invalid JSON"),
             "unknown-field": (_grown(typo, size), "typo: Extra inputs are not permitted"),
@@ -167,6 +171,7 @@ def poisons(settings: KafkaSettings, task_id: str, subject: str) -> list[Poison]
             "tombstone": (None, "tombstone"),
             "wrong-key": (_grown(other, size), "record key"),
             "nested": (_grown(deep, size), "recursion limit"),
+            "year-9999": (_grown(json.dumps(far).encode(), size), "less than 9000"),
         }
         for kind, (value, words) in bad.items():
             assert value is None or len(value) == size, (kind, source.spec.suffix)

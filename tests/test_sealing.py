@@ -11,12 +11,13 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from aiokafka import TopicPartition
+from pydantic import ValidationError
 
-from halfway.contract import Event, FinalState, Outcome, SettlementSource
+from halfway.contract import Event, FinalState, Outcome, SettlementSource, TaskStarted
 from halfway.core.decide import Idle, decide
 from halfway.core.fold import TaskState, TaskStatus, fold
 from halfway.journal.follower import JournalFollower
-from halfway.journal.sealed import MERGE_AT_LEAST, SealedTasks
+from halfway.journal.sealed import MERGE_AT_LEAST, EndedTasks, SealedTasks
 from halfway.settings import KafkaSettings
 from tests.factories import Stamper
 from tests.followers import unstarted
@@ -135,6 +136,29 @@ async def test_a_task_with_news_since_it_ended_waits_a_full_grace_again() -> Non
         f._apply(event, TP, 200 + i)
     assert "undone-1" in f.sealed
 
+
+def test_an_end_dated_far_ahead_holds_back_no_other_and_no_date_overflows() -> None:
+    """A writer's broken clock (an end dated 8999) waits alone: the ends after it are still
+    sealed on time; times at the calendar's edges never overflow."""
+    ended = EndedTasks()
+    ended.add(datetime(8999, 12, 31, tzinfo=UTC), "far-1")
+    ended.add(NOW - 2 * DAY, "old-1")
+    ended.add(NOW, "today-1")
+    assert ended.due(NOW, DAY) == ["old-1"]
+    assert ended.due(datetime(1970, 1, 1, tzinfo=UTC), timedelta(days=365)) == []
+    assert ended.is_last("far-1", datetime(8999, 12, 31, tzinfo=UTC))
+    again = EndedTasks(ended.entries())  # as restored from an image: the same order
+    assert again.due(NOW + DAY, DAY) == ["today-1"]
+
+
+def test_a_record_dated_past_the_contracts_calendar_is_refused() -> None:
+    """The contract's times end before year 9000 (else a dead letter): what the services add
+    to a journaled time (a day to seal, a backoff) then always fits the calendar."""
+    started = Stamper("far-2", now=NOW).started().model_dump(mode="json")
+    with pytest.raises(ValidationError, match="less than 9000"):
+        TaskStarted.model_validate(started | {"at": "9999-12-31T23:59:59Z"})
+    with pytest.raises(ValidationError, match="greater than or equal to 1970"):
+        TaskStarted.model_validate(started | {"at": "0001-01-01T00:00:00Z"})
 
 def test_sealed_tasks_cost_a_digest_each_and_survive_packing() -> None:
     """The sealed set answers exactly for what it was given (digests, merged in batches, a

@@ -59,6 +59,15 @@ Key = Annotated[
 ]
 JsonObject = dict[str, JsonValue]
 
+# Every time in the contract lies within these years: the services add days and backoffs to
+# journaled times (sealing, checks, deadlines), and a record dated 9999-12-31 would overflow
+# that arithmetic in every process that folds it. Out of range, a record is a dead letter.
+TIME_MIN = datetime(1970, 1, 1, tzinfo=UTC)
+TIME_MAX = datetime(9000, 1, 1, tzinfo=UTC)
+Instant = Annotated[AwareDatetime, Field(
+    ge=TIME_MIN, lt=TIME_MAX, json_schema_extra={  # the keywords ajv-formats checks
+        "formatMinimum": "1970-01-01T00:00:00Z", "formatExclusiveMaximum": "9000-01-01T00:00:00Z"})]
+
 
 # ---------------------------------------------------------------------------------------------
 # Vocabulary (DESIGN.md): the words used in code, docs and messages.
@@ -115,7 +124,7 @@ class _Part(BaseModel):
 class TaskPolicy(_Part):
     saga: bool = Field(False, description="Run the task's steps as a saga (undo on failure).")
     max_steps: int = Field(20, ge=1, le=STEP_N_MAX)
-    deadline: AwareDatetime | None = Field(None, description="After it, no new step is decided.")
+    deadline: Instant | None = Field(None, description="After it, no new step is decided.")
     on_unknown: OnUnknown = OnUnknown.WAIT
 
 
@@ -199,7 +208,7 @@ class _Event(BaseModel):
 
     event_id: str = Field(min_length=1, max_length=64)
     task_id: TaskId
-    at: AwareDatetime
+    at: Instant
     schema_version: Literal[1] = SCHEMA_VERSION
 
 
@@ -324,7 +333,7 @@ class StepAttempted(_StepEvent):
     type: Literal["step.attempted"] = "step.attempted"
     attempt: int = Field(ge=1)
     key: Key
-    started_at: AwareDatetime
+    started_at: Instant
     intent_id: str | None = Field(
         None, min_length=1, max_length=64,
         description="The `event_id` of the `step.intended` this attempt carries out. It counts "
@@ -382,7 +391,7 @@ class StepChecked(_StepEvent):
 
     type: Literal["step.checked"] = "step.checked"
     found: str = Field("nothing", description="What the check found, in words.")
-    next_check_at: AwareDatetime | None = Field(None, description="None: no further check planned.")
+    next_check_at: Instant | None = Field(None, description="None: no further check planned.")
 
 
 class ClaimWithdrawn(_StepEvent):
@@ -445,7 +454,7 @@ class CompensationChecked(_UndoKeyed, _StepEvent):
 
     type: Literal["compensation.checked"] = "compensation.checked"
     found: str = Field("nothing", description="What the check found, in words.")
-    next_check_at: AwareDatetime | None = Field(None, description="None: no further check planned.")
+    next_check_at: Instant | None = Field(None, description="None: no further check planned.")
     generation: int = _generation()
 
 
@@ -453,7 +462,7 @@ class CompensationAttempted(_StepEvent):
     type: Literal["compensation.attempted"] = "compensation.attempted"
     attempt: int = Field(ge=1)
     key: Key
-    started_at: AwareDatetime
+    started_at: Instant
 
     @model_validator(mode="after")
     def _key_is_an_undo_key(self) -> Self:
@@ -582,4 +591,4 @@ class DeadLetter(BaseModel):
     headers: dict[str, str] = Field(default_factory=dict, description="At most 16, each cut "
                                                                       "to 200 characters")
     consumer_group: str | None = None
-    at: AwareDatetime
+    at: Instant

@@ -13,9 +13,9 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from halfway.contract.events import SCHEMA_VERSION, StepId, TaskId, _type_is_required
+from halfway.contract.events import SCHEMA_VERSION, Instant, StepId, TaskId, _type_is_required
 
 
 class Release(StrEnum):
@@ -29,7 +29,7 @@ class _GuardRecord(BaseModel):
 
     event_id: str = Field(min_length=1, max_length=64)
     schema_version: Literal[1] = SCHEMA_VERSION
-    at: AwareDatetime
+    at: Instant
     subject: str = Field(min_length=1, max_length=500)
     tool: str = Field(min_length=1)
     step_id: StepId

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Literal, Self
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, JsonValue, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 
-from halfway.contract.events import SCHEMA_VERSION, StepId, TaskId, _type_is_required
+from halfway.contract.events import SCHEMA_VERSION, Instant, StepId, TaskId, _type_is_required
 from halfway.contract.ids import UNDO_SUFFIX, parse_step_id
 
 # The visible states. Steps (and compensations) use the fold's step statuses; tasks their own.
@@ -70,9 +70,9 @@ class OutcomeChanged(BaseModel):
     reason: str | None = Field(None, description="Why not done, why unknown, why rejected")
     reference: str | None = Field(
         None, description="The step's idempotency key: quote it when asking what happened")
-    next_check_at: AwareDatetime | None = Field(
+    next_check_at: Instant | None = Field(
         None, description="For `unknown`: when the harness checks again (None: no check planned)")
-    at: AwareDatetime = Field(description="The `at` of the journal event that made this change")
+    at: Instant = Field(description="The `at` of the journal event that made this change")
     finished: bool = Field(
         False, description="Task messages: the task is over (finished or rejected), so this "
                            "state is its last; `needs_attention` alone does not say that")

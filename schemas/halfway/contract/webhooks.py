@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, JsonValue
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
-from halfway.contract.events import SCHEMA_VERSION, Outcome, TaskId, _type_is_required
+from halfway.contract.events import SCHEMA_VERSION, Instant, Outcome, TaskId, _type_is_required
 
 
 class WebhookReceived(BaseModel):
@@ -31,8 +31,8 @@ class WebhookReceived(BaseModel):
                           "webhooks itself decides instead")
     task_id: TaskId | None = Field(None, description="The task our key names, if any")
     payload: dict[str, JsonValue] = Field(description="The provider's event, whole")
-    signed_at: AwareDatetime = Field(description="The signature's timestamp (t=)")
-    received_at: AwareDatetime
+    signed_at: Instant = Field(description="The signature's timestamp (t=)")
+    received_at: Instant
     journal_partition: int | None = Field(
         None, ge=0, description="The journal partition of the task our key names")
     journal_offset: int | None = Field(

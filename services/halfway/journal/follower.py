@@ -46,7 +46,7 @@ import asyncio
 import contextlib
 import gc
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Set
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -68,7 +68,7 @@ from halfway.core.fold import StepStatus, TaskState, TaskStatus
 from halfway.journal import snapshots as snaps
 from halfway.journal.reader import EventConsumer, Wake
 from halfway.journal.records import Delivery, partition_of
-from halfway.journal.sealed import EndedTasks, SealedTasks
+from halfway.journal.sealed import ByTime, EndedTasks, SealedTasks
 from halfway.journal.shared_fold import shared_folds
 from halfway.journal.writer import JournalWriter, local_appends
 from halfway.loops import LoopWatch, run_until_cancelled
@@ -294,7 +294,7 @@ class JournalFollower:
         # Per journal partition, ended tasks in the order their last event came.
         self._ended: dict[int, EndedTasks] = {}
         # The same, waiting to go dormant (snapshots only: dormant tasks need their history).
-        self._quieting: dict[int, deque[tuple[datetime, str]]] = {}
+        self._quieting: dict[int, ByTime] = {}
         # Snapshots (whether, and how often: read first, above): the journal records folded
         # into each task's state since it was last sealed (all of them for a live task),
         # which is what an image of its partition holds.
@@ -617,8 +617,8 @@ class JournalFollower:
                         ended = self._ended[tp.partition] = EndedTasks()
                     ended.add(event.at, event.task_id)
                     if self.snapshots:
-                        self._quieting.setdefault(tp.partition, deque()).append(
-                            (event.at, event.task_id))
+                        self._quieting.setdefault(tp.partition, ByTime()).add(
+                            event.at, event.task_id)
                 self._seal_due(tp.partition, event.at)
                 self._quiet_due(tp.partition, event.at)
         self._dirty.add(event.task_id)
@@ -688,8 +688,7 @@ class JournalFollower:
         `now`, settled for good and without news since, as bytes (see `_wake_task`)."""
         quieting = self._quieting.get(number)
         ended = self._ended.get(number)
-        while quieting and quieting[0][0] + _DORMANT_AFTER <= now:
-            at, task_id = quieting.popleft()
+        for at, task_id in quieting.due(now, _DORMANT_AFTER) if quieting else ():
             if ended is None or not ended.is_last(task_id, at) or task_id in self.dormant:
                 continue  # sealed, news since, or dormant already
             state = dict.get(self.states, task_id)

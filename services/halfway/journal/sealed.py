@@ -15,11 +15,11 @@ mistake fails safe: that task is never started (it waits as requested) and nothi
 from __future__ import annotations
 
 import functools
+import heapq
 import sys
 from array import array
 from bisect import bisect_left
-from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from datetime import datetime, timedelta
 from hashlib import blake2b
 
@@ -142,20 +142,57 @@ def unpack(packed: bytes, *, check: bool = True) -> array[int]:
     return values
 
 
+class ByTime:
+    """(`at`, task id) pairs, earliest first, whatever order they were added in: one dated far
+    ahead by a writer's broken clock waits alone instead of holding back every later one."""
+
+    __slots__ = ("_heap",)
+
+    def __init__(self, entries: Iterable[tuple[datetime, str]] = ()) -> None:
+        self._heap = list(entries)
+        heapq.heapify(self._heap)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def add(self, at: datetime, task_id: str) -> None:
+        heapq.heappush(self._heap, (at, task_id))
+
+    def extend(self, entries: Iterable[tuple[datetime, str]]) -> None:
+        self._heap.extend(entries)
+        heapq.heapify(self._heap)
+
+    def due(self, now: datetime, after: timedelta) -> Iterator[tuple[datetime, str]]:
+        """Remove and yield the pairs `after` or more before `now`, earliest first."""
+        heap = self._heap
+        if not heap:
+            return
+        try:
+            until = now - after
+        except OverflowError:  # `now` within `after` of the calendar's start: nothing is due
+            return
+        while heap and heap[0][0] <= until:
+            yield heapq.heappop(heap)
+
+    def entries(self) -> list[tuple[datetime, str]]:
+        """Earliest first: one order for the same pairs, however they came (an image)."""
+        return sorted(self._heap)
+
+
 class EndedTasks:
-    """One journal partition's tasks that ended (finished or rejected), in the order of their
+    """One journal partition's tasks that ended (finished or rejected), by the time of their
     ends by the journal's clock (`at`), until they are due to be sealed: the one rule for when
     a task is sealed, shared by the services' followers and the projector. A task with news
     after it ended ends again later; only its newest end counts."""
 
     def __init__(self, entries: Iterable[tuple[datetime, str]] = ()) -> None:
-        # As `add` for each entry, in order (a restore brings thousands).
-        self._queue: deque[tuple[datetime, str]] = deque(entries)
+        entries = list(entries)  # a restore brings thousands: one heapify
+        self._queue = ByTime(entries)
         self._last: dict[str, datetime] = {  # task id -> `at` of its newest end
-            task_id: at for at, task_id in self._queue}
+            task_id: at for at, task_id in entries}
 
     def add(self, at: datetime, task_id: str) -> None:
-        self._queue.append((at, task_id))
+        self._queue.add(at, task_id)
         self._last[task_id] = at
 
     def is_last(self, task_id: str, at: datetime) -> bool:
@@ -170,15 +207,13 @@ class EndedTasks:
         """The tasks whose newest end is `after` before `now`, oldest first, each once: they
         leave the queue (the caller seals those settled for good; another end re-enters one).
         Asked at every record folded: nothing is due, most of the time, at one comparison."""
-        queue = self._queue
         out: list[str] = []
-        while queue and queue[0][0] + after <= now:
-            at, task_id = queue.popleft()
+        for at, task_id in self._queue.due(now, after):
             if self._last.get(task_id) == at:  # else it had news since: a later entry decides
                 del self._last[task_id]
                 out.append(task_id)
         return out
 
     def entries(self) -> list[tuple[datetime, str]]:
-        """The queue as it is (a snapshot's image holds it)."""
-        return list(self._queue)
+        """The queue, earliest first (a snapshot's image holds it)."""
+        return self._queue.entries()

@@ -55,7 +55,6 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections import deque
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -77,7 +76,7 @@ from halfway.journal.follower import DORMANT_AFTER_S, RESTORE_BATCH, settled_for
 from halfway.journal.limits import fetch_limits
 from halfway.journal.reader import known_end
 from halfway.journal.records import InvalidRecord, decode
-from halfway.journal.sealed import EndedTasks, SealedTasks
+from halfway.journal.sealed import ByTime, EndedTasks, SealedTasks
 from halfway.journal.writer import JournalWriter
 from halfway.loops import LoopWatch, run_until_cancelled
 from halfway.projector import store
@@ -187,7 +186,7 @@ class _Partition:
     history: dict[str, list[tuple[int, Event]]] = field(default_factory=dict)
     # Tasks that ended (`at`, id), oldest first, until DORMANT_AFTER_S later by the journal's
     # clock (`quiet_due`); None: no task goes dormant (no snapshots, or no sealing).
-    quieting: deque[tuple[datetime, str]] | None = None
+    quieting: ByTime | None = None
     quiet_later: dict[str, datetime] = field(default_factory=dict)  # due, row not stored yet
     ready: bool = True  # False while its snapshot is read and restored (`Projector._load`)
     restored_from: int | None = None  # the offset of the image it was restored from
@@ -235,10 +234,9 @@ class _Partition:
         JSON (`snaps.Dormant`, as the followers do): a few hundred bytes a task instead of its
         fold, and an image whose restore neither decodes nor folds them. One whose row is not
         stored yet waits for the flush (`quiet_written`)."""
-        quieting = self.quieting
-        while quieting and quieting[0][0] + _DORMANT_AFTER <= now:
-            at, task_id = quieting.popleft()
-            self._quiet(task_id, at)
+        if self.quieting:
+            for at, task_id in self.quieting.due(now, _DORMANT_AFTER):
+                self._quiet(task_id, at)
 
     def quiet_written(self) -> None:
         """Rows are stored (a flush, or a re-sync): the tasks due meanwhile whose rows are
@@ -374,7 +372,7 @@ class Projector:
     def _new_partition(self, number: int) -> _Partition:
         quiets = self.snapshots and self.seal_after is not None  # (a Dormant needs a history)
         return _Partition(number, Sealing(number, self.seal_after),
-                          quieting=deque() if quiets else None)
+                          quieting=ByTime() if quiets else None)
 
     @property
     def dead_letters(self) -> DeadLetters | None:
@@ -546,7 +544,7 @@ class Projector:
                     part.dirty.add(event.task_id)
                 if part.quieting is not None:
                     if after.status in _ENDED:
-                        part.quieting.append((event.at, event.task_id))
+                        part.quieting.add(event.at, event.task_id)
                     part.quiet_due(event.at)
             for task_id in sealed:
                 part.seal(task_id)
