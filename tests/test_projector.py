@@ -28,7 +28,7 @@ from halfway.contract import (
     SettlementSource,
     TaskFinished,
 )
-from halfway.contract.events import SagaRole
+from halfway.contract.events import TIME_MIN, SagaRole
 from halfway.contract.topics import ALL_TOPICS, JOURNAL
 from halfway.core.fold import fold
 from halfway.journal import JournalWriter, ensure_topics, replay
@@ -234,6 +234,17 @@ def test_a_contradiction_is_surfaced_on_the_step() -> None:
     assert (step["status"], step["contradictions"], step["updated_at"]) == (
         "done", 1, refusal.at)
 
+
+
+def test_a_task_known_only_by_what_a_writer_called_off_or_withdrew_has_a_row() -> None:
+    """A `task.aborted` or `claim.withdrawn` for a task that never started (a mistyped id, by a
+    writer of the journal): a row, not an error at every restart of the projector."""
+    s = Stamper("never-started-1")
+    aborted = s.aborted("a mistyped id")
+    task = rows_of(fold([aborted]))["tasks"][0]
+    assert (task["aborted_reason"], task["updated_at"]) == ("a mistyped id", aborted.at)
+    withdrawn = rows_of(fold([s.withdrawn(1, "c-1")]))["tasks"][0]
+    assert withdrawn["updated_at"] == TIME_MIN  # no time the fold keeps: as old as can be
 
 # --- fixtures for the broker tests --------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 from datetime import datetime
 from typing import Any
 
-from halfway.contract.events import DecidedBy
+from halfway.contract.events import TIME_MIN, DecidedBy
 from halfway.core.fold import EffectState, StepState, StepStatus, TaskState
 from halfway.render import attention_words
 
@@ -63,8 +63,9 @@ def task_row(state: TaskState) -> Row:
     accepted = state.started or state.request
     summary = (state.finished.summary if state.finished is not None
                else state.rejected.reason if state.rejected is not None else None)
-    updated_at = _latest(_task_times(state))
-    assert updated_at is not None, f"task {state.task_id} has no events"
+    # No time at all: only events the fold keeps no time of (a claim withdrawn by a writer
+    # for a task that never started); the row is as old as the contract allows.
+    updated_at = _latest(_task_times(state)) or TIME_MIN
     return {
         "task_id": state.task_id,
         # None only when the journal holds step events but no task event (a buggy writer);
@@ -243,7 +244,7 @@ def _effect_times(effect: EffectState, since: datetime) -> Iterator[datetime]:
 
 def _task_times(state: TaskState) -> Iterator[datetime]:
     """The `at` of every event the fold keeps for this task."""
-    for event in (state.request, state.started, state.rejected, state.finished):
+    for event in (state.request, state.started, state.rejected, state.aborted, state.finished):
         if event is not None:
             yield event.at
     for refused in state.not_accepted:
