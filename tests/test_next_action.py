@@ -21,6 +21,7 @@ from halfway.core.next_action import (
     SettleUnknown,
     StepPolicy,
     Wait,
+    governing,
     next_action,
     plan_check,
 )
@@ -97,6 +98,21 @@ def test_unkeyed_is_never_retried(s: Stamper) -> None:
     assert isinstance(action, Escalate)
     assert "takes no key" in action.reason
 
+
+def test_a_step_decided_unkeyed_is_never_resent_by_a_tool_redeclared_idempotent(
+        s: Stamper) -> None:
+    """A redeploy that relaxes a tool's class moves no step decided before it by the new
+    class: the stricter of the journaled and the declared governs (`governing`)."""
+    relaxed = StepPolicy(EffectClass.IDEMPOTENT, timeout_s=5, has_lookup=False)
+    log = [s.started(), s.intended(1), s.attempted(1, 1), s.settled(1, Outcome.UNKNOWN, attempt=1)]
+    assert next_action(effect_of(log), relaxed, s.now + 60 * S) == Call(2)  # as declared now
+    policy = governing(relaxed, EffectClass.UNKEYED)  # as the decision journaled it
+    assert policy.effect_class is EffectClass.UNKEYED
+    assert isinstance(next_action(effect_of(log), policy, s.now + 60 * S), Escalate)
+    # Keyed without a key's lifetime to keep within: sent at most once, too.
+    assert governing(relaxed, EffectClass.KEYED).effect_class is EffectClass.UNKEYED
+    assert governing(KEYED, EffectClass.IDEMPOTENT) is KEYED  # a stricter tool now: as is
+    assert governing(KEYED, None) is KEYED  # an undo journals no class
 
 def test_without_lookup_a_keyed_step_retries_after_a_backoff(s: Stamper) -> None:
     policy = StepPolicy(EffectClass.KEYED, timeout_s=5, key_ttl_s=3600, has_lookup=False)

@@ -24,6 +24,7 @@ from halfway.contract import (
     CompensationAttempted,
     CompensationChecked,
     CompensationSettled,
+    EffectClass,
     Outcome,
     SagaRole,
     StepAttempted,
@@ -50,6 +51,7 @@ class Effect:
     intent_id: str | None = None  # a step's: the decision its attempts carry out
     must_happen: bool = False  # an undo, or a saga's retriable step (module docstring)
     generation: int = 1  # an undo's: which of the step's undo keys `key` is
+    effect_class: EffectClass | None = None  # a step's, as its decision journaled it
 
     @property
     def move_id(self) -> str:
@@ -89,7 +91,8 @@ def effects_to_work(state: TaskState, now: datetime) -> list[Effect]:
         out.append(Effect(False, intent.task_id, step.step_id, intent.tool, intent.args,
                           intent.key, step.effect, saga.called_off(state, step),
                           intent.event_id,
-                          must_happen=is_saga and intent.saga_role is SagaRole.RETRIABLE))
+                          must_happen=is_saga and intent.saga_role is SagaRole.RETRIABLE,
+                          effect_class=intent.effect_class))
         plan = step.compensation
         if plan is not None and saga.undo_may_run(state, step):
             out.append(Effect(True, intent.task_id, step.step_id, plan.tool, plan.args,

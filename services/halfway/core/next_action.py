@@ -32,7 +32,8 @@ point, makes the same move.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 
 from halfway.contract import EffectClass, Outcome
@@ -125,6 +126,31 @@ class Escalate:
 
 
 Action = Nothing | Call | SettleUnknown | SettleNotDone | Lookup | Wait | Escalate
+
+
+# How much repeating a call may cost, least first: a step is moved by the stricter of the
+# class its decision journaled and the one its tool declares now.
+_STRICTNESS = {EffectClass.READ: 0, EffectClass.IDEMPOTENT: 1, EffectClass.KEYED: 2,
+               EffectClass.UNKEYED: 3}
+
+
+def governing(policy: StepPolicy, journaled: EffectClass | None) -> StepPolicy:
+    """The policy that moves a step decided as `journaled` (None: an undo, which journals no
+    class) by a tool whose policy is now `policy`. A redeploy that relaxes a tool's class
+    (unkeyed to idempotent) must not resend a step decided when it was sent at most once:
+    the stricter class governs. A keyed class without the key's lifetime is never resent."""
+    if journaled is None or journaled is policy.effect_class:  # every step, but a redeploy's
+        return policy
+    return _stricter(policy, journaled)
+
+
+@functools.lru_cache(maxsize=256)  # a few (policy, class) pairs per app: tools by classes
+def _stricter(policy: StepPolicy, journaled: EffectClass) -> StepPolicy:
+    if _STRICTNESS[journaled] <= _STRICTNESS[policy.effect_class]:
+        return policy
+    if journaled is EffectClass.KEYED and not policy.key_ttl_s:
+        journaled = EffectClass.UNKEYED
+    return replace(policy, effect_class=journaled)
 
 
 def next_action(effect: EffectState, policy: StepPolicy, now: datetime) -> Action:

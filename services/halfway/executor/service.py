@@ -62,6 +62,7 @@ from halfway.core.next_action import (
     SettleNotDone,
     SettleUnknown,
     Wait,
+    governing,
     next_action,
 )
 from halfway.failpoints import failpoint
@@ -157,7 +158,8 @@ class Executor(StepWorker):
         if tool is None:
             self._unserved(effect)
             return
-        action = next_action(effect.state, tool.spec.policy(), now)
+        action = next_action(effect.state, governing(tool.spec.policy(), effect.effect_class),
+                             now)
         match action:
             case Nothing() | Lookup() | Escalate():
                 return  # settled, or the reconciler's move: it looks up and escalates
@@ -188,7 +190,8 @@ class Executor(StepWorker):
         effect = next((e for e in effects_to_work(state, now)
                        if e.step_id == intent.step_id and not e.undo), None)
         if effect is None or effect.called_off is not None or self.busy(effect) or \
-                next_action(effect.state, tool.spec.policy(), now) != Call(1):
+                next_action(effect.state, governing(tool.spec.policy(), effect.effect_class),
+                            now) != Call(1):
             return None
         placing = Placing(intent, asyncio.get_running_loop().create_future(), before)
         self.start_move(effect, self._move(effect, tool, Call(1), placing))
@@ -246,6 +249,7 @@ class Executor(StepWorker):
             case Call(attempt=n):
                 assert tool is not None
                 spec = tool.spec
+                policy = governing(spec.policy(), effect.effect_class)
                 failpoint("executor.attempting", task_id)  # tests: paused, fold going stale
                 attempted = effect.attempted(stamp(task_id), n, datetime.now(UTC))
                 if placing is None:
@@ -259,7 +263,7 @@ class Executor(StepWorker):
                 args = parse_args(spec.args_model, dict(effect.args))
                 refusal = await self._why_not_send(
                     effect, attempted, meta, placing,
-                    min(CONFIRM_TIMEOUT_S, spec.policy().send_window_s))
+                    min(CONFIRM_TIMEOUT_S, policy.send_window_s))
                 if refusal is not None:
                     why, ours_alone = refusal
                     self._log.warning(f"not sent: {why}", attempt=n)
@@ -270,12 +274,12 @@ class Executor(StepWorker):
                     return effect.settled(stamp(task_id), outcome=verdict.outcome, attempt=n,
                                           source=SettlementSource.CALL, reason=verdict.reason)
                 late_s = (datetime.now(UTC) - attempted.started_at).total_seconds()
-                if late_s > spec.policy().send_window_s:
+                if late_s > policy.send_window_s:
                     # Paused between the journal and the wire: the world may have moved on
                     # (lookups, a not_done proof, another task's claim). Never send it now.
                     self._log.warning("not sent: paused past the send window", attempt=n,
                                       late_s=round(late_s, 3))
-                    if spec.effect_class is EffectClass.UNKEYED:
+                    if policy.effect_class is EffectClass.UNKEYED:
                         # Confirmed ours alone: nothing else sends this attempt.
                         verdict = classify(NotSent(f"not sent: the executor was paused "
                                                    f"{late_s:.1f} s after journaling it"),
@@ -306,7 +310,7 @@ class Executor(StepWorker):
                         stamp(task_id), outcome=Outcome.DONE, attempt=n,
                         source=SettlementSource.CALL, effect_id=spec.effect_id(result.evidence),
                         evidence=evidence, replayed=result.replayed)
-                if spec.effect_class is EffectClass.READ:
+                if policy.effect_class is EffectClass.READ:
                     return None  # reads are never unknown: next_action reads again, in bounds
                 verdict = classify(result, attempt=n, must_happen=effect.must_happen)
                 return effect.settled(

@@ -44,6 +44,7 @@ from halfway.core.next_action import (
     Lookup,
     SettleNotDone,
     Wait,
+    governing,
     next_action,
     on_lookup_failed,
     on_nothing_found,
@@ -194,7 +195,8 @@ class Reconciler(StepWorker):
         tool = self.registry.get(effect.tool)
         if tool is None or effect.called_off is not None:
             return
-        action = next_action(effect.state, tool.spec.policy(), now)
+        action = next_action(effect.state, governing(tool.spec.policy(), effect.effect_class),
+                             now)
         match action:
             case Lookup() if self.lookups:
                 self.start_move(effect, self._lookup(effect, tool))
@@ -247,9 +249,10 @@ class Reconciler(StepWorker):
         detail = getattr(found, "detail", "nothing found")
         # Only a lookup that answered "nothing" may prove not_done (`completes_within_s`);
         # one that failed saw nothing at all (the chaos suite's refused connections).
-        after = (on_lookup_failed(effect.state, tool.spec.policy(), now)
+        policy = governing(tool.spec.policy(), effect.effect_class)
+        after = (on_lookup_failed(effect.state, policy, now)
                  if isinstance(found, LookupFailed)
-                 else on_nothing_found(effect.state, tool.spec.policy(), now,
+                 else on_nothing_found(effect.state, policy, now,
                                        must_happen=effect.must_happen))
         if isinstance(after, SettleNotDone):
             # It covers the attempts this fold has: one journaled meanwhile (an executor's
