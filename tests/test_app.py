@@ -24,7 +24,7 @@ from halfway import App, Refused
 from halfway.app import AppNotFound, load_app, load_model
 from halfway.contract import EffectClass, Outcome, SagaRole
 from halfway.core.args import parse_args
-from halfway.core.classify import NotSent, TimedOut, ToolRefused, Unexpected, classify
+from halfway.core.classify import NotSent, TimedOut, ToolRefused, Unexpected, Unproven, classify
 from halfway.models import ScriptedModel
 from halfway.tools.spec import CallContext, Found, LookupFailed, NotFound, Succeeded
 
@@ -194,6 +194,43 @@ async def test_raise_for_status_is_the_providers_answer() -> None:
     assert classify(await outcome_of(answer(503))).outcome is Outcome.UNKNOWN
     assert classify(await outcome_of(answer(429))).outcome is Outcome.UNKNOWN
 
+
+async def test_with_a_lookup_a_tools_exception_is_no_proof_that_nothing_happened() -> None:
+    """The charge went through; the receipt fetched after it could not connect, or was a 404.
+    Read as the effect's own failure that would be "not done, safe to try again", and the
+    model's next try a second charge: with a lookup, it is unknown, and the lookup tells."""
+    charged: list[str] = []
+    app = App(name="charges")
+
+    @app.tool(effect="keyed", key_ttl_s=3600, timeout_s=5.0)
+    async def charge_then_receipt(amount: int, then: str, *, ctx: CallContext) -> dict:
+        """Charge, then fetch the receipt."""
+        charged.append(ctx.key)
+        if then == "refused":
+            raise Refused("the card was declined")  # the author's word: proof
+        request = httpx.Request("GET", "http://provider/receipts/1")
+        if then == "404":
+            httpx.Response(404, request=request).raise_for_status()
+        async with httpx.AsyncClient() as client:  # nothing listens on port 9 here
+            await client.get("http://127.0.0.1:9/receipts/1", timeout=2.0)
+        return {}
+
+    @charge_then_receipt.lookup
+    async def find_charge(amount: int, then: str, *, ctx: CallContext) -> dict | None:
+        return {"charge": ctx.key} if ctx.key in charged else None
+
+    tool = app.registry().get("charge_then_receipt")
+    assert tool is not None
+    for then in ("connect", "404"):
+        result = await tool.adapter.call(
+            parse_args(tool.spec.args_model, {"amount": 49, "then": then}), ctx())
+        assert isinstance(result, Unproven), then
+        verdict = classify(result)
+        assert verdict.outcome is Outcome.UNKNOWN
+        assert "its lookup tells" in verdict.reason
+    refused = await tool.adapter.call(
+        parse_args(tool.spec.args_model, {"amount": 49, "then": "refused"}), ctx())
+    assert classify(refused).outcome is Outcome.NOT_DONE
 
 async def test_evidence_is_never_empty_and_always_json() -> None:
     async def nothing(_ctx):

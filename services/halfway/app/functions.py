@@ -36,6 +36,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
+from halfway.contract.events import Outcome
 from halfway.core.classify import (
     CallFailure,
     ConnectionLost,
@@ -44,6 +45,8 @@ from halfway.core.classify import (
     TimedOut,
     ToolRefused,
     Unexpected,
+    Unproven,
+    classify,
 )
 from halfway.tools.spec import (
     CallContext,
@@ -281,8 +284,14 @@ class FunctionAdapter:
             raise  # the harness cancels calls (shutdown): not an outcome of the tool
         except BaseException as exc:  # our timeout included: failure_of says TimedOut
             # SystemExit and KeyboardInterrupt too: a tool never stops the process.
-            return TimedOut(ctx.timeout_s) if deadline.expired() else failure_of(
-                exc, ctx.timeout_s)
+            if deadline.expired():
+                return TimedOut(ctx.timeout_s)
+            failure = failure_of(exc, ctx.timeout_s)
+            if self.lookup_fn is not None and not isinstance(exc, Refused):
+                verdict = classify(failure, attempt=ctx.attempt)
+                if verdict.outcome is Outcome.NOT_DONE:
+                    return Unproven(verdict.reason)  # the lookup corroborates it, or not
+            return failure
         if deadline.expired():
             # The tool swallowed our cancellation and answered anyway: what it says on its way
             # out (a value, a refusal) is no proof, and the request may be out.

@@ -15,6 +15,11 @@ proof**. There are exactly three proofs:
   Not for an effect that must happen (an undo, a saga's step past its pivot: `must_happen`):
   it did not happen yet, and it is retried with its key like an unknown one, not given up.
 
+An app tool's exception is read as if it came from the tool's effect request (its only one).
+When the tool also declares a lookup, an exception that would prove `not_done` is only a lead
+(`Unproven`, unknown): it may come from a later request than the effect's (a receipt fetched
+after the charge), and the lookup tells. Only `Refused` is the author's word.
+
 Everything else (a timeout after sending, a reset, a 5xx, a 409, a 429, a redirect, a crash,
 any exception nobody foresaw) is `unknown`: it may have happened. `unknown` is never rounded
 to failure.
@@ -87,7 +92,16 @@ class Unexpected:
     what: str
 
 
-CallFailure = Replied | ToolRefused | NotSent | TimedOut | ConnectionLost | Crashed | Unexpected
+@dataclass(frozen=True, slots=True)
+class Unproven:
+    """What would prove `not_done` (`lead`, a failure as classified), said by an exception of a
+    tool that has a lookup: the exception may not be about the effect's request."""
+
+    lead: str
+
+
+CallFailure = (Replied | ToolRefused | NotSent | TimedOut | ConnectionLost | Crashed | Unexpected
+               | Unproven)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +153,9 @@ def classify(failure: CallFailure, *, attempt: int = 1, must_happen: bool = Fals
             return Verdict(Outcome.UNKNOWN, f"{why}; it may have happened")
         case Unexpected(what=what):
             return Verdict(Outcome.UNKNOWN, f"unexpected failure ({what}); it may have happened")
+        case Unproven(lead=lead):
+            return Verdict(Outcome.UNKNOWN, f"the tool's exception says {lead}, but it may come "
+                           "from another of its requests than the effect's: its lookup tells")
     raise TypeError(f"not a CallFailure: {failure!r}")
 
 
