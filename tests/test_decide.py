@@ -14,6 +14,7 @@ from halfway.contract import (
     StepRefused,
     SubjectHeld,
     TaskPolicy,
+    TaskRequested,
 )
 from halfway.core import fold
 from halfway.core.decide import (
@@ -68,6 +69,18 @@ def test_a_request_is_started_or_rejected_once(s: Stamper) -> None:
     assert decide(fold([s.requested(), s.rejected()]), known_tools=KNOWN, requested=True,
                   now=s.now) == Idle()
     assert decide(fold([s.requested()]), known_tools=KNOWN, requested=False, now=s.now) == Idle()
+
+
+def test_a_rejection_names_at_most_a_few_unknown_tools_each_cut(s: Stamper) -> None:
+    """A request listing thousands of long unknown names is rejected in a bounded reason (it
+    is journaled for good): ten names at most, each cut."""
+    names = [f"tool_{n:04}_" + "x" * 300 for n in range(2000)]
+    request = TaskRequested(**s.stamp(), input={}, allowed_tools=names)
+    move = decide(fold([request]), known_tools=KNOWN, requested=True, now=s.now)
+    assert isinstance(move, Reject)
+    assert move.reason.endswith(" and 1990 more")
+    assert move.reason.startswith("unknown tools: tool_0000_xxx")
+    assert len(move.reason) < 1000
 
 
 @pytest.mark.parametrize("tail", ["intended", "in_flight", "unknown", "escalated"])

@@ -167,6 +167,19 @@ def _never_held(_held: SubjectHeld) -> bool:
     return False
 
 
+# A rejection names the unknown tools, within bounds: a request may list thousands, and its
+# reason is journaled for good (a megabyte of names made a megabyte of journal).
+UNKNOWN_TOOLS_NAMED_MAX = 10
+TOOL_NAME_CHARS_MAX = 64
+
+
+def _unknown_tools(names: list[str]) -> str:
+    named = [n if len(n) <= TOOL_NAME_CHARS_MAX else f"{n[:TOOL_NAME_CHARS_MAX]}..."
+             for n in names[:UNKNOWN_TOOLS_NAMED_MAX]]
+    more = len(names) - len(named)
+    return f"unknown tools: {', '.join(named)}" + (f" and {more} more" if more else "")
+
+
 def decide(state: TaskState, *, known_tools: set[str], requested: bool, now: datetime,
            still_held: Callable[[SubjectHeld], bool] = _never_held) -> TaskMove:
     """The next move for a task. `still_held(h)`: whether the step that blocked a proposal
@@ -179,7 +192,7 @@ def decide(state: TaskState, *, known_tools: set[str], requested: bool, now: dat
         assert state.request is not None
         unknown = sorted(set(state.request.allowed_tools) - known_tools)
         if unknown:
-            return Reject(f"unknown tools: {', '.join(unknown)}")
+            return Reject(_unknown_tools(unknown))
         return Start()
 
     failing = saga.failure(state, now)
