@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
@@ -152,6 +153,25 @@ def test_accept_call_refuses_with_a_reason_the_model_can_read(
     assert refused.reason.startswith("refused:")
     assert why in refused.reason
 
+
+def _boom(_args: Charge) -> str:
+    raise KeyError("acct")
+
+
+@pytest.mark.parametrize(("subject_of", "why"), [
+    (lambda a: "invoice:" + "9" * 600, "608 characters; a subject has 1 to 500"),
+    (lambda a: "", "0 characters"),
+    (_boom, "no subject for charge_customer from these arguments (KeyError: 'acct')"),
+])
+def test_a_subject_the_arguments_cannot_make_is_refused_in_words(
+        s: Stamper, subject_of: Any, why: str) -> None:
+    """The subject is made from the model's arguments: one too long, empty or failing is the
+    model's to mend (a refusal it reads), not a decision that can never be placed."""
+    tool = ToolFacts("charge_customer", Charge, EffectClass.KEYED, subject_of)
+    refused = accept_call(fold([s.started()]), 1, tool, "charge_customer",
+                          {"invoice": "INV-2291", "amount_cents": 4900})
+    assert isinstance(refused, Refused)
+    assert why in refused.reason
 
 async def test_the_scripted_model_answers_differently_when_asked_twice(tmp_path) -> None:
     s = Stamper("renewal-8812")

@@ -50,6 +50,7 @@ from halfway.contract.ids import (
 )
 
 SCHEMA_VERSION = 1
+SUBJECT_CHARS_MAX = 500  # a subject names one business object: `invoice:INV-2291`
 TOKENS_PER_QUESTION_MAX = 1_000_000_000
 
 TaskId = Annotated[str, Field(pattern=TASK_ID_PATTERN, description="Named by the caller.")]
@@ -140,7 +141,7 @@ class CompensationPlan(_Part):
 class SubjectHeld(_Part):
     """Who holds the subject a proposal was blocked on (the subject guard's verdict)."""
 
-    subject: str = Field(min_length=1, max_length=500)
+    subject: str = Field(min_length=1, max_length=SUBJECT_CHARS_MAX)
     tool: str = Field(min_length=1)
     holder: StepId = Field(description="The step whose claim holds the subject")
 
@@ -404,7 +405,7 @@ class ClaimWithdrawn(_StepEvent):
 
     type: Literal["claim.withdrawn"] = "claim.withdrawn"
     claim_ids: list[str] = Field(min_length=1, max_length=64)
-    subject: str = Field(min_length=1, max_length=500)
+    subject: str = Field(min_length=1, max_length=SUBJECT_CHARS_MAX)
     tool: str = Field(min_length=1)
     reason: str = Field(min_length=1)
 

@@ -15,7 +15,14 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from halfway.contract.events import SCHEMA_VERSION, Instant, StepId, TaskId, _type_is_required
+from halfway.contract.events import (
+    SCHEMA_VERSION,
+    SUBJECT_CHARS_MAX,
+    Instant,
+    StepId,
+    TaskId,
+    _type_is_required,
+)
 
 
 class Release(StrEnum):
@@ -30,7 +37,7 @@ class _GuardRecord(BaseModel):
     event_id: str = Field(min_length=1, max_length=64)
     schema_version: Literal[1] = SCHEMA_VERSION
     at: Instant
-    subject: str = Field(min_length=1, max_length=500)
+    subject: str = Field(min_length=1, max_length=SUBJECT_CHARS_MAX)
     tool: str = Field(min_length=1)
     step_id: StepId
     task_id: TaskId

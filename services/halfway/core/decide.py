@@ -60,6 +60,7 @@ from halfway.contract import (
     mint_key,
     step_id,
 )
+from halfway.contract.events import SUBJECT_CHARS_MAX
 from halfway.core import saga
 from halfway.core.args import parse_args
 from halfway.core.fold import StepStatus, TaskState, TaskStatus
@@ -378,6 +379,27 @@ def _named(tool_name: str) -> str:
     return tool_name if tool_name.strip() else f"{tool_name!r} (no name)"
 
 
+SUBJECT_ERROR_CHARS_MAX = 300  # of a subject function's exception, in the model's refusal
+
+
+def _subject(tool: ToolFacts, tool_name: str, parsed: BaseModel) -> str | Refused | None:
+    """The subject these arguments name, or a refusal the model reads: the subject is made
+    from the model's arguments (`acct:{acct}`), so a bad one is the model's to mend, not a
+    decision that cannot be placed."""
+    try:
+        subject = tool.subject_of(parsed)
+    except Exception as exc:  # the app's subject function: anything may come
+        try:
+            words = f"{type(exc).__name__}: {exc}"[:SUBJECT_ERROR_CHARS_MAX]
+        except Exception:  # an exception whose str() fails still has a name
+            words = type(exc).__name__[:SUBJECT_ERROR_CHARS_MAX]
+        return Refused(f"refused: no subject for {tool_name} from these arguments ({words})")
+    if subject is not None and not 0 < len(subject) <= SUBJECT_CHARS_MAX:
+        return Refused(f"refused: the subject for {tool_name} from these arguments is "
+                       f"{len(subject)} characters; a subject has 1 to {SUBJECT_CHARS_MAX}")
+    return subject
+
+
 def accept_call(state: TaskState, n: int, tool: ToolFacts | None, tool_name: str,
                 args: dict[str, Any]) -> dict[str, Any] | Refused:
     """The fields of `step.intended` for the model's proposal, or why it is refused."""
@@ -399,6 +421,9 @@ def accept_call(state: TaskState, n: int, tool: ToolFacts | None, tool_name: str
     refusal = saga.saga_refusal(state, tool_name, tool.saga_role, tool.undo)
     if refusal is not None:
         return Refused(refusal)
+    subject = _subject(tool, tool_name, parsed)
+    if isinstance(subject, Refused):
+        return subject
     sid = step_id(state.task_id, n)
     return {
         "step_id": sid,
@@ -406,7 +431,7 @@ def accept_call(state: TaskState, n: int, tool: ToolFacts | None, tool_name: str
         "tool": tool_name,
         "args": parsed.model_dump(mode="json"),  # frozen as first decided, normalised
         "key": mint_key(sid),
-        "subject": tool.subject_of(parsed),
+        "subject": subject,
         "effect_class": tool.effect_class,
         "saga_role": tool.saga_role,
         "compensation": tool.undo,  # declared before the step runs
