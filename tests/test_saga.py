@@ -39,7 +39,8 @@ from halfway.core.effects import effects_to_work
 from halfway.core.fold import fold
 from tests.factories import Stamper
 
-TOOLS = {"hold_flight", "book_hotel", "charge_customer", "send_email", "lookup_fare"}
+TOOLS = {"hold_flight", "book_hotel", "charge_customer", "send_email", "lookup_fare",
+         "read_fare"}
 
 
 class AnyArgs(BaseModel):
@@ -57,7 +58,8 @@ HOTEL = facts("book_hotel", SagaRole.COMPENSABLE, "cancel_hotel_booking")
 CHARGE = facts("charge_customer", SagaRole.PIVOT)
 EMAIL = facts("send_email", SagaRole.RETRIABLE)
 FARE = facts("lookup_fare", None)
-BY_NAME = {f.name: f for f in (HOLD, HOTEL, CHARGE, EMAIL, FARE)}
+READ = ToolFacts("read_fare", AnyArgs, EffectClass.READ, lambda _a: None)  # no role: a read
+BY_NAME = {f.name: f for f in (HOLD, HOTEL, CHARGE, EMAIL, FARE, READ)}
 
 
 class Trip:
@@ -217,6 +219,25 @@ def test_a_step_not_done_undoes_the_done_steps_last_first_then_compensated() -> 
     assert move.state is FinalState.COMPENSATED
     assert "trip-7:2 book_hotel by cancel_hotel_booking, trip-7:1 hold_flight" in move.summary
 
+
+def test_a_read_goes_anywhere_in_a_saga_and_is_never_undone() -> None:
+    """A read has nothing to take back: placed before, between and after the undoable steps,
+    it is skipped when the saga is undone, and holds no undo back."""
+    trip = Trip()
+    trip.run(trip.place("read_fare"))
+    trip.run(trip.place("hold_flight"))
+    trip.run(trip.place("read_fare"))
+    trip.run(trip.place("charge_customer"), Outcome.NOT_DONE)
+    move = trip.decide()
+    assert isinstance(move, Compensate)
+    assert [u[:2] for u in move.undos] == [(2, "release_flight_hold")]
+    trip.compensate(move)
+    assert [e.step_id for e in effects_to_work(trip.state(), trip.s.now) if e.undo] == \
+        ["trip-7:2"]  # not held behind the read after it
+    trip.undo(2)
+    move = trip.decide()
+    assert isinstance(move, Finish)
+    assert move.state is FinalState.COMPENSATED
 
 def test_a_first_step_not_done_leaves_nothing_to_undo() -> None:
     trip = Trip()

@@ -339,7 +339,8 @@ def _undo(state: TaskState, why: str) -> TaskMove:
 
 def _remaining(state: TaskState, n: int) -> str:
     before = [s.step_id for s in state.steps.values()
-              if s.n < n and s.outcome is Outcome.DONE and s.undo.outcome is not Outcome.DONE]
+              if s.n < n and s.outcome is Outcome.DONE and not saga.is_read(s)
+              and s.undo.outcome is not Outcome.DONE]
     return f"; not undone yet, waiting behind it: {', '.join(before)}" if before else ""
 
 
@@ -418,7 +419,7 @@ def accept_call(state: TaskState, n: int, tool: ToolFacts | None, tool_name: str
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
                              for e in exc.errors(include_url=False))
         return Refused(f"refused: arguments for {tool_name} are invalid: {problems}")
-    refusal = saga.saga_refusal(state, tool_name, tool.saga_role, tool.undo)
+    refusal = saga.saga_refusal(state, tool_name, tool.saga_role, tool.undo, tool.effect_class)
     if refusal is not None:
         return Refused(refusal)
     subject = _subject(tool, tool_name, parsed)

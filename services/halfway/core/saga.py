@@ -32,7 +32,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from halfway.contract import CompensationPlan, OnUnknown, Outcome, SagaRole
+from halfway.contract import CompensationPlan, EffectClass, OnUnknown, Outcome, SagaRole
 from halfway.core.fold import StepState, StepStatus, TaskState, successor_due
 
 UNSETTLED = (StepStatus.INTENDED, StepStatus.IN_FLIGHT, StepStatus.UNKNOWN)
@@ -43,11 +43,12 @@ def pivot_of(state: TaskState) -> StepState | None:
 
 
 def saga_refusal(state: TaskState, tool: str, role: SagaRole | None,
-                 undo: CompensationPlan | None) -> str | None:
+                 undo: CompensationPlan | None,
+                 effect_class: EffectClass | None = None) -> str | None:
     """Why a saga cannot place a step of `tool` next, in words the model can read; None if
-    it can (or the task is not a saga)."""
+    it can (or the task is not a saga). A read has nothing to take back: it goes anywhere."""
     assert state.started is not None
-    if not state.started.policy.saga:
+    if not state.started.policy.saga or effect_class is EffectClass.READ:
         return None
     pivot = pivot_of(state)
     if role is None or (role is SagaRole.COMPENSABLE and undo is None):
@@ -124,14 +125,20 @@ def undo_plan(state: TaskState) -> list[StepState]:
     be journaled again under its next key (`fold.successor_due`: a lookup proved the latest
     key did nothing, as when the provider saved a 5xx under it and replays it to every retry)."""
     return [s for s in sorted(state.steps.values(), key=lambda s: -s.n)
-            if s.outcome is Outcome.DONE and (s.compensation is None or successor_due(s))]
+            if s.outcome is Outcome.DONE and not is_read(s)
+            and (s.compensation is None or successor_due(s))]
+
+
+def is_read(step: StepState) -> bool:
+    """A step with no effect (a lookup of the world): nothing to undo."""
+    return step.intent.effect_class is EffectClass.READ
 
 
 def undo_may_run(state: TaskState, step: StepState) -> bool:
     """Undos run in reverse order: step k's only once every later step is proven not done or
     its undo is done."""
     for later in state.steps.values():
-        if later.n <= step.n:
+        if later.n <= step.n or is_read(later):
             continue
         if later.outcome is Outcome.NOT_DONE:
             continue
