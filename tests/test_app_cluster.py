@@ -120,3 +120,59 @@ async def test_the_example_app_through_several_processes(core: Cluster) -> None:
     assert step.intent.decided_by.app.startswith("tickets@")
     asked = [c for c in core.model_calls() if c["task_id"] == task_id]
     assert sorted(c["n"] for c in asked) == [1, 2]  # the model asked once per step
+
+
+UNFIT_UNDO_APP = '''
+from halfway import App, Refused
+
+app = App(name="unfit", instructions="Hold, then pay.")
+
+
+@app.tool(effect="idempotent", saga_role="compensable", undo=("release", {"n": "$result.id"}))
+async def hold(item: str) -> dict:
+    """Hold an item."""
+    return {"id": "not-a-number"}
+
+
+@app.tool(effect="idempotent")
+async def release(n: int) -> dict:
+    """Release a hold."""
+    return {"released": n}
+
+
+@app.tool(effect="unkeyed", saga_role="pivot")
+async def pay(amount: int) -> dict:
+    """Pay."""
+    raise Refused("the card was declined")
+'''
+
+
+async def test_an_undo_whose_arguments_do_not_fit_its_tool_is_not_done_never_sent(
+        core: Cluster, tmp_path: Path) -> None:
+    """An undo's arguments are filled from the step's result: one that does not fit the undo
+    tool is never sent, so it is not done (not "unknown, it may have happened" after a
+    traceback), and the saga needs an operator to undo the step."""
+    from halfway.contract import CompensationAttempted, TaskPolicy, TaskRequested
+    from halfway.journal.records import stamp
+
+    apps = tmp_path / "apps"
+    apps.mkdir()
+    (apps / "unfitagent.py").write_text(textwrap.dedent(UNFIT_UNDO_APP))
+    await core.start("worker", "--app", "unfitagent:app", cwd=apps)
+    task_id = new_id("unfit")
+    await core.publish(TaskRequested(
+        **stamp(task_id), allowed_tools=["hold", "pay"], policy=TaskPolicy(saga=True),
+        input={"script": [{"tool": "hold", "args": {"item": "seat-1"}},
+                          {"tool": "pay", "args": {"amount": 49}}]}))
+
+    state = (await core.journal.until_finished([task_id], timeout_s=LONG_WAIT_S))[task_id]
+    assert state.final_state is FinalState.NEEDS_ATTENTION, state.finished
+    step = state.step(1)
+    assert step is not None
+    assert step.undo.outcome is Outcome.NOT_DONE
+    settlement = step.undo.settlement
+    assert settlement is not None
+    assert settlement.reason is not None
+    assert settlement.reason.startswith("not sent: its arguments do not fit release (n: ")
+    assert not [e for e in core.journal.events
+                if isinstance(e, CompensationAttempted) and e.task_id == task_id]

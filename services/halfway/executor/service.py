@@ -37,6 +37,7 @@ from datetime import UTC, datetime
 from typing import Protocol
 
 from aiokafka.structs import RecordMetadata
+from pydantic import ValidationError
 
 from halfway import log, metrics, tracing
 from halfway import settings as env
@@ -78,6 +79,7 @@ from halfway.tools.spec import CallContext, Succeeded
 CALLS_IN_FLIGHT_MAX = 1000
 # A guard beyond the adapter's own timeout: an adapter that hangs is a timeout too.
 TIMEOUT_GRACE_S = 2.0
+PROBLEMS_CHARS_MAX = 500  # of arguments' validation errors, in a settlement's reason
 # How long an attempt waits for its own record to be read back, at most (then it is not sent);
 # never past its send window, after which it would not be sent anyway.
 CONFIRM_TIMEOUT_S = 10.0
@@ -250,6 +252,12 @@ class Executor(StepWorker):
                 assert tool is not None
                 spec = tool.spec
                 policy = governing(spec.policy(), effect.effect_class)
+                try:
+                    args = parse_args(spec.args_model, dict(effect.args))
+                except ValidationError as exc:
+                    if placing is not None:
+                        placing.tell(NotPlaced("its arguments do not fit the tool"))
+                    return await self._unfit(effect, n, exc)
                 failpoint("executor.attempting", task_id)  # tests: paused, fold going stale
                 attempted = effect.attempted(stamp(task_id), n, datetime.now(UTC))
                 if placing is None:
@@ -260,7 +268,6 @@ class Executor(StepWorker):
                                                               attempted)
                     placing.tell(decided)
                 # Write before acting: from here on, a crash leaves "attempted, no outcome".
-                args = parse_args(spec.args_model, dict(effect.args))
                 refusal = await self._why_not_send(
                     effect, attempted, meta, placing,
                     min(CONFIRM_TIMEOUT_S, policy.send_window_s))
@@ -325,6 +332,23 @@ class Executor(StepWorker):
                                       source=SettlementSource.CALL, reason=reason)
             case _:
                 raise AssertionError(f"unexpected action {action!r}")
+
+    async def _unfit(self, effect: Effect, n: int, exc: ValidationError) -> Settlement | None:
+        """Arguments the tool does not take (an undo's, filled from the step's result; a
+        step decided before the app changed): nothing is sent. A first attempt is proof of
+        not done; after an earlier attempt, which may have happened, an operator must say."""
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                             for e in exc.errors(include_url=False))[:PROBLEMS_CHARS_MAX]
+        why = f"its arguments do not fit {effect.tool} ({problems})"
+        self._log.error("not sent: the arguments do not fit the tool", attempt=n,
+                        problems=problems)
+        if n == 1:
+            return effect.settled(stamp(effect.task_id), outcome=Outcome.NOT_DONE,
+                                  source=SettlementSource.CALL, reason=f"not sent: {why}")
+        await self._write(effect.checked(
+            stamp(effect.task_id), found=f"attempt {n} not sent: {why}; an earlier attempt "
+            "may have happened: an operator must resolve it", next_check_at=None))
+        return None
 
     async def _settle(self, settled: Settlement) -> None:
         """Journal a settlement: with the decider's next move for the task, in one append,
