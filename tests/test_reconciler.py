@@ -420,3 +420,39 @@ async def last_outcome(c: Cluster, task_id: str, state: str) -> OutcomeChanged:
             await asyncio.sleep(0.2)
 
     return await asyncio.wait_for(found(), LONG_WAIT_S)
+
+
+async def test_a_reconciler_whose_app_lacks_a_steps_tool_says_so_once() -> None:
+    """Its status says the step is checked; a reconciler run with another app than the
+    executors' never checks it. It says so, as an error naming the tool, once per tool."""
+    from structlog.testing import capture_logs
+
+    from halfway.app import App
+    from halfway.core.effects import effects_to_work
+    from halfway.journal.writer import JournalWriter
+    from halfway.reconciler.service import Reconciler
+    from tests.factories import Stamper
+    from tests.followers import MADE
+
+    app = App(name="other")
+
+    @app.tool(effect="read")
+    async def look_up(query: str) -> dict:
+        """Look something up."""
+        return {"query": query}
+
+    settings = KafkaSettings(bootstrap="127.0.0.1:1", topic_prefix="unserved.",
+                             replication_factor=1)
+    reconciler = Reconciler(settings, app.registry(), writer=None)  # type: ignore[arg-type]
+    MADE.append((reconciler.follower, JournalWriter(settings)))  # closed after the test
+    s = Stamper("elsewhere-1")
+    state = fold([s.started(), s.intended(1), s.attempted(1, 1),
+                  s.settled(1, Outcome.UNKNOWN, attempt=1)])
+    [effect] = effects_to_work(state, s.now)
+    with capture_logs() as logs:
+        reconciler._consider(effect, s.now)
+        reconciler._consider(effect, s.now)
+    said = [e for e in logs if e.get("tool") == "charge_customer"]
+    assert len(said) == 1
+    assert said[0]["log_level"] == "error"
+    assert "not looked up here" in said[0]["event"]

@@ -67,6 +67,7 @@ from halfway.settings import KafkaSettings
 from halfway.tools.registry import Registry, Tool
 from halfway.tools.spec import CallContext, Found, LookupFailed
 
+UNSERVED_SAID_MAX = 1_000  # distinct missing tools named in the log, then no more
 LOOKUPS_IN_FLIGHT_MAX = 200
 # The reconciler is off the step's critical path (an unknown step is looked up seconds later, a
 # webhook waits for the journal anyway): the broker may hold its fetches this long to gather
@@ -90,6 +91,8 @@ class Reconciler(StepWorker):
                                         gather_ms=GATHER_MS)
         self._slots = asyncio.Semaphore(LOOKUPS_IN_FLIGHT_MAX)
         self._log = log.get("halfway.reconciler")
+        self._app_label = app_label
+        self._unserved_said: set[str] = set()  # tools said to be missing: UNSERVED_SAID_MAX
 
     async def _on_change(self, task_ids: set[str]) -> None:
         now = datetime.now(UTC)
@@ -193,7 +196,10 @@ class Reconciler(StepWorker):
 
     def _consider(self, effect: Effect, now: datetime) -> None:
         tool = self.registry.get(effect.tool)
-        if tool is None or effect.called_off is not None:
+        if tool is None:
+            self._unserved(effect)
+            return
+        if effect.called_off is not None:
             return
         action = next_action(effect.state, governing(tool.spec.policy(), effect.effect_class),
                              now)
@@ -206,6 +212,17 @@ class Reconciler(StepWorker):
                 self.wake_at(effect, until, now)
             case _:
                 pass  # settled, or the executor's move (a call), or lookups are off
+
+    def _unserved(self, effect: Effect) -> None:
+        """A step of a tool this reconciler's app lacks: never looked up here. Said once per
+        tool, as an error an operator sees, not silently: its status says it is checked."""
+        if effect.tool in self._unserved_said or len(self._unserved_said) >= UNSERVED_SAID_MAX:
+            return
+        self._unserved_said.add(effect.tool)
+        self._log.error("no tool of this name in this reconciler's app: its unknown steps are "
+                        "not looked up here; run the reconciler with "
+                        "the app the executors run", tool=effect.tool[:200], app=self._app_label,
+                        step_id=effect.step_id)
 
     async def _lookup(self, effect: Effect, tool: Tool) -> None:
         spec = tool.spec
