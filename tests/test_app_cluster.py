@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from halfway.contract import FinalState, Outcome, SettlementSource, StepUnserved
+from halfway.contract import FinalState, Outcome, SettlementSource, StepSettled, StepUnserved
 from halfway.render import step_line
 
 pytest.register_assert_rewrite("tests.processes")
@@ -176,3 +176,57 @@ async def test_an_undo_whose_arguments_do_not_fit_its_tool_is_not_done_never_sen
     assert settlement.reason.startswith("not sent: its arguments do not fit release (n: ")
     assert not [e for e in core.journal.events
                 if isinstance(e, CompensationAttempted) and e.task_id == task_id]
+
+
+STUBBORN_APP = '''
+import asyncio
+
+from halfway import App
+
+app = App(name="stubborn", instructions="Do it.")
+
+
+@app.tool(effect="keyed", key_ttl_s=3600, timeout_s=1.0)
+async def stubborn(n: int) -> dict:
+    """Never stops, whatever it is told."""
+    while True:
+        try:
+            await asyncio.sleep(3600)
+        except BaseException:
+            pass
+
+
+@stubborn.lookup
+async def find(n: int) -> dict | None:
+    return None
+'''
+
+
+async def test_a_tool_that_will_not_stop_neither_holds_its_step_nor_its_process(
+        core: Cluster, tmp_path: Path) -> None:
+    """A tool that swallows its timeout's cancellation is left running: its step is unknown
+    (not "in flight" for ever), and a stopped worker exits without waiting for it."""
+    from halfway.contract import TaskRequested
+    from halfway.journal.records import stamp
+
+    apps = tmp_path / "apps"
+    apps.mkdir()
+    (apps / "stubbornagent.py").write_text(textwrap.dedent(STUBBORN_APP))
+    worker = await core.start("worker", "--app", "stubbornagent:app", cwd=apps)
+    task_id = new_id("stubborn")
+    await core.publish(TaskRequested(
+        **stamp(task_id), allowed_tools=["stubborn"],
+        input={"script": [{"tool": "stubborn", "args": {"n": 1}}]}))
+
+    unknown = await core.journal.first(
+        lambda e: isinstance(e, StepSettled) and e.task_id == task_id, "the step settled",
+        timeout_s=LONG_WAIT_S)
+    assert isinstance(unknown, StepSettled)
+    assert unknown.outcome is Outcome.UNKNOWN
+    assert unknown.reason is not None
+    assert "no reply within 1 s" in unknown.reason
+    await worker.until_logged("a tool call would not stop when cancelled: it is left running, "
+                              "and its step is settled as timed out", timeout_s=LONG_WAIT_S)
+    assert await stop(worker) == 0  # not killed: it did not wait for the tool
+    assert worker.logged("stopped with tool calls that would not stop still running: exiting "
+                         "without waiting for them")

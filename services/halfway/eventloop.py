@@ -13,10 +13,14 @@ Short commands (`halfway start`, `status`, ...) keep asyncio's own loop: nothing
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import sys
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from halfway import settings
+from halfway import log, settings
+from halfway.app import runaway
 
 T = TypeVar("T")
 
@@ -31,7 +35,23 @@ def factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
-    """`asyncio.run(main)` on the chosen loop."""
+    """`asyncio.run(main)` on the chosen loop. A tool call that would not stop is not waited
+    for once `main` is over (closing the loop would wait for it for ever): the process exits
+    at once, as after kill -9, which the journal is made for."""
     make = factory()  # a wrong setting fails here, before the coroutine is scheduled
-    with asyncio.Runner(loop_factory=make) as runner:
+    runner = asyncio.Runner(loop_factory=make)
+    try:
         return runner.run(main)
+    finally:
+        if runaway.left():
+            _exit_leaving_them(failed=sys.exc_info()[0] is not None)
+        runner.close()
+
+
+def _exit_leaving_them(*, failed: bool) -> None:
+    log.get("halfway").error("stopped with tool calls that would not stop still running: "
+                             "exiting without waiting for them", left=runaway.left())
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(1 if failed else 0)

@@ -36,6 +36,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
+from halfway.app import runaway
 from halfway.contract.events import Outcome
 from halfway.core.classify import (
     CallFailure,
@@ -334,10 +335,12 @@ class FunctionAdapter:
         if takes_ctx:
             kwargs["ctx"] = ctx
         if inspect.iscoroutinefunction(fn):
-            return await fn(**kwargs)
+            # In a task of its own: one that swallows our cancellation is left running
+            # (`runaway`), and the call ends as timed out all the same.
+            return await runaway.bounded(fn(**kwargs), getattr(fn, "__name__", "tool"))
         # A plain function runs on a worker thread, so it never blocks the event loop; past
         # the timeout the thread runs on, and the outcome is unknown.
-        returned, value = await asyncio.to_thread(_caught, fn, kwargs)
+        returned, value = await asyncio.to_thread(runaway.in_thread, _caught, fn, kwargs)
         if not returned:
             raise value  # raised here, it reaches `call`'s handler whatever it is
         return value
