@@ -185,6 +185,8 @@ def run(service: Annotated[Runnable, typer.Argument(help="which service")],
 
     kinds = ("decider", "executor") if service is Runnable.WORKER else (service.value,)
     kafka_bootstrap()  # a bad one stops it here (SettingsError), before anything starts
+    if service is Runnable.PROJECTOR:
+        _pg_schema()  # so does a schema name it cannot write
     try:  # each service connects as its own kind (docs/security.md): a bad setting stops it here
         for kind in kinds:
             kafka_security(kind)
@@ -210,6 +212,17 @@ def run(service: Annotated[Runnable, typer.Argument(help="which service")],
         raise typer.Exit(2) from None
 
 
+async def _project() -> None:
+    """The projector, once PostgreSQL answers: started before it, it waits (logged), as
+    every service waits for the broker; one that refuses it stops it (exit 2)."""
+    from halfway import settings
+    from halfway.projector import store
+    from halfway.projector.service import serve as serve_projector
+
+    await store.wait_until_up(settings.pg_dsn(), log.get("halfway.projector"))
+    await serve_projector()
+
+
 def _run_service(service: Runnable, app_ref: str | None, model: str | None) -> None:
     match service:
         case Runnable.GATEWAY:
@@ -221,11 +234,10 @@ def _run_service(service: Runnable, app_ref: str | None, model: str | None) -> N
 
             eventloop.run(serve_api())
         case Runnable.PROJECTOR:
-            from halfway.projector.service import serve as serve_projector
             from halfway.serve import until_stopped
 
             # Its credentials checked before it touches the read model; stopped while waiting.
-            eventloop.run(until_stopped(serve_projector, kind="projector"))
+            eventloop.run(until_stopped(_project, kind="projector"))
         case _:
             from halfway.serve import serve
 
@@ -273,6 +285,7 @@ def start(
     import re
 
     from halfway.contract.ids import TASK_ID_PATTERN
+    from halfway.render import one_line
     from halfway.start import BadInput, BrokerUnreachable, task_input
     from halfway.start import start as start_task
 
@@ -302,7 +315,7 @@ def start(
     def echo(message: Any) -> None:
         who = "task" if message.subject == "task" else (
             f"step {message.step_id}" + (" undo" if message.subject == "compensation" else ""))
-        typer.echo(f"{who}: {message.words}")
+        _show(f"{who}: {one_line(message.words)}")
 
     try:
         code = asyncio.run(start_task(task, given, allowed, saga=saga, follow=follow,
@@ -419,23 +432,41 @@ def resolve(
     typer.echo(f"{step}: {event.outcome} (source operator, by {who})")
 
 
-PG_CONNECT_TIMEOUT_S = 10.0
+def _show(text: str) -> None:
+    """Print what holds text from outside (the journal, the read model): through the one rule,
+    `render.printable`, so that no control character reaches the terminal."""
+    from halfway.render import printable
+
+    typer.echo(printable(text))
+
+
+def _pg_schema(*, rebuilding: bool = False) -> str:
+    """HALFWAY_PG_SCHEMA, if it can name the read model (and, `rebuilding`, the schemas beside
+    it that a rebuild writes); else SettingsError, which names it (exit 2)."""
+    from halfway import settings
+    from halfway.projector import store
+
+    schema = settings.pg_schema()
+    try:
+        if rebuilding:
+            from halfway.projector.rebuild import schemas_of
+
+            schemas_of(schema)
+        return store.checked(schema)
+    except ValueError as exc:
+        raise SettingsError(f"HALFWAY_PG_SCHEMA={schema[:80]!r} cannot be used: {exc}") from None
 
 
 async def _read_model(fn: Any) -> Any:
     import asyncpg
 
     from halfway import settings
+    from halfway.projector import store
 
+    schema = _pg_schema()  # before connecting: a database that is down is not the news
+    conn = await store.connect(settings.pg_dsn())  # store.Unreachable: one line (main)
     try:
-        conn = await asyncpg.connect(settings.pg_dsn(), timeout=PG_CONNECT_TIMEOUT_S)
-    except (OSError, TimeoutError, asyncpg.PostgresError) as exc:  # refused, silent, refused us
-        raise PostgresUnreachable(
-            f"the read model's PostgreSQL at {_pg_address()} does not answer ({exc}): is it "
-            "running (halfway up, or halfway dev)? HALFWAY_PG_DSN or HALFWAY_PG_PORT say "
-            "where") from None
-    try:
-        return await fn(conn, settings.pg_schema())
+        return await fn(conn, schema)
     except (asyncpg.UndefinedTableError, asyncpg.InvalidSchemaNameError):
         typer.echo("the read model does not exist yet: is the projector running "
                    "(halfway run projector), or rebuild it (halfway replay --rebuild)?", err=True)
@@ -458,8 +489,8 @@ def tasks(state: Annotated[str | None, typer.Option(help="only tasks in this sta
     except ValueError as exc:  # its words name what it takes (an unknown state: the states)
         typer.echo(f"halfway: {exc}", err=True)
         raise typer.Exit(2) from None
-    typer.echo(tables.as_json(tables.tasks_json(rows)) if as_json
-               else tables.tasks_table(rows, now=datetime.now(UTC)))
+    _show(tables.as_json(tables.tasks_json(rows)) if as_json
+          else tables.tasks_table(rows, now=datetime.now(UTC)))
 
 
 @app.command()
@@ -479,8 +510,8 @@ def status(task: Annotated[str | None, typer.Argument(
     if found is None:
         typer.echo(f"no task {task} in the read model", err=True)
         raise typer.Exit(1)
-    typer.echo(tables.as_json(tables.task_json(found)) if as_json
-               else tables.status_table(found, now=datetime.now(UTC)))
+    _show(tables.as_json(tables.task_json(found)) if as_json
+          else tables.status_table(found, now=datetime.now(UTC)))
 
 
 @app.command()
@@ -489,7 +520,8 @@ def replay(task: Annotated[str | None, typer.Option(help="only this task")] = No
            rebuild: Annotated[bool, typer.Option(
                "--rebuild", help="drop the read model and rebuild it from the journal")] = False,
            check: Annotated[bool, typer.Option(
-               "--check", help="with --rebuild: compare with the live copy, do not swap")
+               "--check", help="with --rebuild: compare with the live copy, do not swap; "
+                               "exit 1 if they differ or there is no live copy")
            ] = False,
            ) -> None:
     """Rebuild every task's state from the journal alone and print it; or, with --rebuild,
@@ -506,7 +538,7 @@ def replay(task: Annotated[str | None, typer.Option(help="only this task")] = No
         _rebuild_read_model(check_only=check)
         return
     from halfway.journal import replay as replay_journal
-    from halfway.render import step_line, task_summary
+    from halfway.render import one_line, step_line, task_summary
 
     log.configure()
     result = asyncio.run(replay_journal(KafkaSettings.from_env("operator")))
@@ -520,9 +552,9 @@ def replay(task: Annotated[str | None, typer.Option(help="only this task")] = No
         return
     for state in states:
         attention = " (needs attention)" if state.needs_attention else ""
-        typer.echo(f"{state.task_id}: {state.final_state or state.status}{attention}")
+        _show(f"{state.task_id}: {state.final_state or state.status}{attention}")
         for step in state.steps.values():
-            typer.echo(f"  {step.step_id}  {step_line(step)}")
+            _show(f"  {step.step_id}  {one_line(step_line(step))}")
     typer.echo(f"{result.events} events, {len(result.invalid)} invalid, {len(states)} tasks",
                err=not sys.stdout.isatty())
 
@@ -533,6 +565,7 @@ def _rebuild_read_model(*, check_only: bool) -> None:
     from halfway import settings
     from halfway.projector.rebuild import rebuild
 
+    schema = _pg_schema(rebuilding=True)  # a bad one: one line (exit 2), before anything runs
     log.configure(level="WARNING")
     with Progress(transient=True) as bar:
         job = bar.add_task("replaying the journal", total=None)
@@ -542,11 +575,11 @@ def _rebuild_read_model(*, check_only: bool) -> None:
 
         report = asyncio.run(rebuild(KafkaSettings.from_env("operator"), settings.pg_dsn(),
                                      progress=progress, check_only=check_only,
-                                     live=settings.pg_schema()))
-    typer.echo("\n".join(report.lines()))
-    # A check's answer is its exit code; a swap succeeded whatever the old copy held (a live
-    # projector's lag, or what the rebuild came to mend).
-    if check_only and report.live_existed and not report.equal:
+                                     live=schema))
+    _show("\n".join(report.lines()))
+    # A check's answer is its exit code (no live copy equals nothing); a swap succeeded
+    # whatever the old copy held (a live projector's lag, or what the rebuild came to mend).
+    if check_only and not report.matches_live:
         raise typer.Exit(1)
 
 
@@ -599,8 +632,10 @@ def mcp_serve(
 def main() -> None:
     """The `halfway` command: a setting it cannot use, read at any point of any command, is a
     one-line error naming the variable (exit 2), not a traceback; so is a broker or a database
-    that does not answer (exit 1)."""
+    that does not answer (exit 1; one that refuses us: exit 2)."""
     from aiokafka.errors import KafkaConnectionError
+
+    from halfway.projector.store import Unreachable
 
     try:
         app()
@@ -616,13 +651,9 @@ def main() -> None:
                    "running (halfway up, or halfway dev)? HALFWAY_KAFKA_BOOTSTRAP or "
                    "HALFWAY_KAFKA_PORT say where", err=True)
         sys.exit(1)
-    except PostgresUnreachable as exc:
+    except Unreachable as exc:  # the read model's database; the message says where and why
         typer.echo(f"halfway: {exc}", err=True)
-        sys.exit(1)
-
-
-class PostgresUnreachable(Exception):
-    """The read model's database did not answer; the message says where and what to do."""
+        sys.exit(1 if exc.passing else 2)
 
 
 LOGIN_CHECK_S = 15.0  # asking a broker whether it refused our credentials, at most
@@ -652,16 +683,6 @@ def _kafka_address() -> str:
         return KafkaSettings.from_env().bootstrap
     except SettingsError:
         return "(the configured address)"
-
-
-def _pg_address() -> str:
-    """Where the read model is, without the DSN's password."""
-    import urllib.parse
-
-    from halfway import settings
-
-    parts = urllib.parse.urlsplit(settings.pg_dsn())
-    return f"{parts.hostname}:{parts.port or 5432}{parts.path}"
 
 
 if __name__ == "__main__":

@@ -6,6 +6,23 @@ from typing import Any
 
 from halfway.core.fold import EffectState, StepState, StepStatus, TaskState
 
+# Control characters but the newline: C0, DEL and C1 (0x9b is CSI to some terminals). Text from
+# outside (a model's summary, a tool's arguments and evidence, a caller's reason) printed as it
+# is could clear a terminal, move its cursor, retitle it, or fake a line of our output.
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c != 0x0A}
+
+
+def printable(text: str) -> str:
+    """`text` for a terminal to show, not obey: each control character as a visible `\\xNN`
+    (newlines kept: they are the caller's lines). The one rule every printed text goes
+    through; applying it twice changes nothing."""
+    return text.translate(_CONTROLS)
+
+
+def one_line(value: object) -> str:
+    """`value` as one printable line: runs of whitespace (newlines too) as one space."""
+    return printable(" ".join(str(value).split()))
+
 
 def step_line(step: StepState) -> str:
     """One line a person (or a model) cannot misread."""

@@ -31,7 +31,9 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import os
 import re
+import stat
 import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -163,6 +165,9 @@ class Tokens:
         """Tokens from the short form and the file (either may be empty); TokenConfigError
         names what is wrong."""
         entries = parse_short_form(short_form)
+        if short_form.strip() and not entries:  # e.g. "," : set, yet it would leave reads open
+            raise TokenConfigError("HALFWAY_API_TOKENS is set but gives no token: give one "
+                                   "(NAME:SCOPE+SCOPE:TOKEN), or unset it")
         if path is not None:
             entries += parse_file(Path(path))
         return cls(entries)
@@ -189,14 +194,9 @@ def parse_short_form(text: str) -> list[TokenEntry]:
 
 def parse_file(path: Path) -> list[TokenEntry]:
     """A JSON Lines file (one object per line; blank and `#` lines skipped), or TOML
-    (`[[token]]` tables) when the name ends in `.toml`."""
-    try:
-        if path.stat().st_size > TOKENS_FILE_BYTES_MAX:
-            raise TokenConfigError(f"{path}: larger than {TOKENS_FILE_BYTES_MAX} bytes")
-        text = path.read_text()
-    except OSError as exc:
-        raise TokenConfigError(f"HALFWAY_API_TOKENS_FILE: cannot read {path}: "
-                               f"{exc.strerror}") from None
+    (`[[token]]` tables) when the name ends in `.toml`. A file that gives no token is refused:
+    it was set to close the API, and would leave reads open."""
+    text = _file_text(path)
     items: list[tuple[str, object]] = []
     if path.suffix == ".toml":
         try:
@@ -225,7 +225,37 @@ def parse_file(path: Path) -> list[TokenEntry]:
             entries.append(TokenEntry.model_validate(item))
         except ValidationError as exc:
             raise TokenConfigError(f"{where}: {_reason(exc)}") from None
+    if not entries:
+        raise TokenConfigError(f"HALFWAY_API_TOKENS_FILE: {path} gives no token (only blank "
+                               "lines or comments): give one, or unset the variable")
     return entries
+
+
+def _file_text(path: Path) -> str:
+    """The file's text, read with a bound: only a regular file (a device such as /dev/zero
+    never ends, and its size says 0; a FIFO's open waits for a writer, so it is opened
+    without waiting), at most TOKENS_FILE_BYTES_MAX bytes, UTF-8."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise TokenConfigError(f"HALFWAY_API_TOKENS_FILE: {path} is not a regular file")
+            with open(fd, "rb", closefd=False) as file:
+                data = file.read(TOKENS_FILE_BYTES_MAX + 1)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise TokenConfigError(f"HALFWAY_API_TOKENS_FILE: cannot read {path}: "
+                               f"{exc.strerror}") from None
+    if len(data) > TOKENS_FILE_BYTES_MAX:
+        raise TokenConfigError(f"{path}: larger than {TOKENS_FILE_BYTES_MAX} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - data.rfind(b"\n", 0, exc.start)
+        raise TokenConfigError(f"{path} line {line}: not UTF-8 (byte {column} of the line)"
+                               ) from None
 
 
 # --- the Host header ---------------------------------------------------------------------------

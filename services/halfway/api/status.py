@@ -13,6 +13,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from halfway.render import one_line
+
 CELL_CHARS_MAX = 60  # a table cell; the JSON has everything
 EVIDENCE_ITEMS_MAX = 8
 
@@ -114,7 +116,9 @@ def step_sentence(step: Mapping[str, Any], now: datetime | None = None) -> str:
 
 
 def _cell(value: Any, chars_max: int | None = CELL_CHARS_MAX) -> str:
-    text = " ".join(str(value).split())  # one line per row, whatever the data holds
+    # One line per row and no control characters, whatever the data holds; made printable
+    # before measuring, so that the columns line up as shown.
+    text = one_line(value)
     if chars_max is None or len(text) <= chars_max:
         return text
     return text[:chars_max - 1] + "…"
@@ -146,27 +150,28 @@ def tasks_table(rows: Sequence[Mapping[str, Any]], now: datetime | None = None) 
 
 def status_table(task: Mapping[str, Any], now: datetime | None = None) -> str:
     """`halfway status TASK`: the task, then every step with its state and what it rests on."""
-    head = [f"task {task['task_id']}: {TASK_WORDS.get(task['state'], task['state'])}"]
+    head = [one_line(f"task {task['task_id']}: {TASK_WORDS.get(task['state'], task['state'])}")]
     times = [f"started {at(task.get('started_at'))}"]
     if task.get("finished_at") is not None:
         times.append(f"finished {at(task['finished_at'])}")
     times.append(f"updated {at(task['updated_at'])}")
-    head.append("  " + ", ".join(times))
+    details = [", ".join(times)]
     if task.get("aborted_reason") and task.get("finished_at") is None:
-        head.append(f"  called off by {task.get('aborted_by')}: {task['aborted_reason']}; "
-                    f"steps in flight settle, and a saga undoes what is done")
+        details.append(f"called off by {task.get('aborted_by')}: {task['aborted_reason']}; "
+                       f"steps in flight settle, and a saga undoes what is done")
     if task.get("summary"):
-        head.append(f"  summary: {' '.join(str(task['summary']).split())}")
+        details.append(f"summary: {task['summary']}")
     if task.get("attention"):
-        head.append(f"  needs attention: {' '.join(str(task['attention']).split())}")
+        details.append(f"needs attention: {task['attention']}")
     if task.get("model_unavailable"):
-        head.append(f"  the model is unavailable: {task['model_unavailable']}")
+        details.append(f"the model is unavailable: {task['model_unavailable']}")
     if task.get("model_questions"):
-        head.append(f"  model: {task['model_questions']} question(s), {task.get('tokens_in', 0)} "
-                    f"tokens in, {task.get('tokens_out', 0)} out")
+        details.append(f"model: {task['model_questions']} question(s), "
+                       f"{task.get('tokens_in', 0)} tokens in, {task.get('tokens_out', 0)} out")
     for refused in task.get("not_accepted") or []:
-        head.append(f"  not accepted: {refused.get('type')} {refused.get('step_id')} "
-                    f"({refused.get('tool')}): {refused.get('reason')}")
+        details.append(f"not accepted: {refused.get('type')} {refused.get('step_id')} "
+                       f"({refused.get('tool')}): {refused.get('reason')}")
+    head += ["  " + one_line(d) for d in details]  # each one line, whatever the data holds
     steps = task.get("steps") or []
     if not steps:
         return "\n".join([*head, "no steps yet"])
@@ -188,6 +193,7 @@ def status_table(task: Mapping[str, Any], now: datetime | None = None) -> str:
         if undo is not None:
             notes.append(f"step {s['n']} undo: {_undo_words(undo, now)} "
                          f"(reference {undo['key']})")
+    notes = [one_line(n) for n in notes]
     return "\n".join([*head, "", body, *(["", *notes] if notes else [])])
 
 
@@ -232,5 +238,10 @@ def task_json(task: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+# JSON escapes C0 controls itself; DEL and C1 (0x9b is CSI to some terminals) it leaves raw.
+_JSON_CONTROLS = {c: f"\\u{c:04x}" for c in (0x7F, *range(0x80, 0xA0))}
+
+
 def as_json(value: Any) -> str:
-    return json.dumps(jsonable(value), indent=2, ensure_ascii=False)
+    """Indented JSON for a terminal: no control character raw (escaped, the same value)."""
+    return json.dumps(jsonable(value), indent=2, ensure_ascii=False).translate(_JSON_CONTROLS)

@@ -38,6 +38,15 @@ PROGRESS_EVERY_EVENTS = 1000
 WRITE_TASKS_MAX = 1000  # tasks per COPY batch into the rebuilt schema (sealed ones too)
 EXAMPLES_MAX = 5  # differing rows shown per table
 EXAMPLE_CHARS_MAX = 400
+REBUILT_SUFFIX = "_rebuild"
+OLD_SUFFIX = "_old"
+
+
+def schemas_of(live: str) -> tuple[str, str]:
+    """(the rebuilt schema, the old one) beside `live`; ValueError if one is not a plain name
+    (a live name near the 63-byte limit leaves no room for the suffixes)."""
+    store.checked(live)
+    return store.checked(live + REBUILT_SUFFIX), store.checked(live + OLD_SUFFIX)
 
 
 @dataclass
@@ -74,11 +83,19 @@ class RebuildReport:
     def equal(self) -> bool:
         return not self.differences
 
+    @property
+    def matches_live(self) -> bool:
+        """A check's answer: the live copy exists and equals the rebuilt one (a live schema
+        that is missing equals nothing, though an empty journal rebuilds no rows)."""
+        return self.live_existed and self.equal
+
     def lines(self) -> list[str]:
         out = [f"rebuilt {self.tasks} tasks from {self.events} events ({self.invalid} invalid "
                f"skipped) in {self.build_s:.2f} s: {self.events_per_s:,.0f} events/s"]
         if not self.live_existed:
-            out.append(f"no live schema {self.live} to compare with")
+            out.append(f"no live schema {self.live} to compare with" + (
+                "" if self.swapped else ": the read model does not exist (is the projector "
+                "running, halfway run projector? HALFWAY_PG_SCHEMA names it)"))
         elif self.equal:
             out.append(f"the rebuilt copy equals {self.live}, row for row")
         else:
@@ -96,7 +113,7 @@ async def rebuild(settings: KafkaSettings, dsn: str, *, progress: Progress | Non
                   seal_after_s: float | FromEnv | None = FROM_ENV) -> RebuildReport:
     """Replay the journal into `{live}_rebuild`, compare with `live`, swap unless check_only.
     `seal_after_s` must be the live projector's (by default both read HALFWAY_SEAL_AFTER_S)."""
-    rebuilt, old = store.checked(f"{live}_rebuild"), store.checked(f"{live}_old")
+    rebuilt, old = schemas_of(live)
     conn = await store.connect(dsn)
     try:
         await store.drop_schema(conn, rebuilt)  # a fresh copy: nothing of an earlier try

@@ -14,11 +14,13 @@ moved them. The writer then re-reads them and writes again from there.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
 import math
 import re
+import urllib.parse
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,15 @@ SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 SNAPSHOT_KEYS: dict[str, tuple[str, ...]] = {
     **PRIMARY_KEYS, "applied_offsets": ("topic", "partition")}
 CONNECT_TIMEOUT_S = 10.0
+# A service starting before PostgreSQL waits for it, as services wait for the broker
+# (`journal.admin.ensure_topics_once_up`): doubling from the first to the second, forever.
+WAIT_S_MIN = 0.5
+WAIT_S_MAX = 10.0
+# What waiting may mend: nothing listens or answers yet (refused, silent, a name that does not
+# resolve yet), or the server is starting, stopping or full. Anything else it said is a refusal.
+NOT_UP_YET = (OSError, TimeoutError, asyncpg.CannotConnectNowError,
+              asyncpg.TooManyConnectionsError)
+ERROR_CHARS_MAX = 300
 
 TopicPartition = tuple[str, int]
 
@@ -45,6 +56,35 @@ class OffsetConflict(Exception):
     def __init__(self, stored: dict[TopicPartition, int]) -> None:
         super().__init__(f"applied offsets moved under us: now {stored}")
         self.stored = stored
+
+
+class Unreachable(ConnectionError):
+    """PostgreSQL took no connection. The message says where (never the password) and why;
+    `passing` when waiting may mend it, not when it refused us (role, password, database) or
+    the DSN cannot be used."""
+
+    def __init__(self, message: str, *, passing: bool) -> None:
+        super().__init__(message)
+        self.passing = passing
+
+
+def address(dsn: str) -> str:
+    """Where `dsn` points, without its role or password: `host:port/database`."""
+    try:
+        parts = urllib.parse.urlsplit(dsn)
+        return f"{parts.hostname}:{parts.port or 5432}{parts.path}"
+    except ValueError:  # a port that is not a number: asyncpg will say so
+        return "(the configured address)"
+
+
+def _unreachable(dsn: str, exc: Exception) -> Unreachable:
+    where, why = address(dsn), str(exc)[:ERROR_CHARS_MAX]
+    if isinstance(exc, NOT_UP_YET):
+        return Unreachable(f"the read model's PostgreSQL at {where} does not answer ({why}): is "
+                           "it running (halfway up, or halfway dev)? HALFWAY_PG_DSN or "
+                           "HALFWAY_PG_PORT say where", passing=True)
+    return Unreachable(f"the read model's PostgreSQL at {where} cannot be used ({why}): "
+                       "HALFWAY_PG_DSN says the role, password and database", passing=False)
 
 
 def checked(schema: str) -> str:
@@ -102,11 +142,35 @@ def _decode_jsonb(data: bytes) -> Any:
 
 
 async def connect(dsn: str) -> asyncpg.Connection:
-    """A connection that reads and writes jsonb as Python values (binary, so COPY works)."""
-    conn = await asyncpg.connect(dsn, timeout=CONNECT_TIMEOUT_S)
+    """A connection that reads and writes jsonb as Python values (binary, so COPY works);
+    Unreachable, saying where and why, if PostgreSQL takes none."""
+    try:
+        conn = await asyncpg.connect(dsn, timeout=CONNECT_TIMEOUT_S)
+    # ValueError: a DSN asyncpg cannot parse; PostgresError: it answered, and refused.
+    except (*NOT_UP_YET, asyncpg.PostgresError, ValueError) as exc:
+        raise _unreachable(dsn, exc) from exc
     await conn.set_type_codec("jsonb", encoder=_encode_jsonb, decoder=_decode_jsonb,
                               schema="pg_catalog", format="binary")
     return conn
+
+
+async def wait_until_up(dsn: str, logger: Any) -> None:
+    """Return once PostgreSQL takes a connection, logging each wait (a service started before
+    it waits instead of exiting in a loop). A refusal is not waited for: Unreachable."""
+    delay_s = WAIT_S_MIN
+    while True:
+        try:
+            conn = await connect(dsn)
+        except Unreachable as exc:
+            if not exc.passing:
+                raise
+            logger.warning("waiting for PostgreSQL", at=address(dsn),
+                           error=str(exc.__cause__)[:ERROR_CHARS_MAX], retry_in_s=delay_s)
+            await asyncio.sleep(delay_s)
+            delay_s = min(WAIT_S_MAX, delay_s * 2)
+            continue
+        await conn.close()
+        return
 
 
 async def migrate(conn: asyncpg.Connection, schema: str) -> None:
