@@ -72,6 +72,19 @@ def test_a_request_is_started_or_rejected_once(s: Stamper) -> None:
     assert decide(fold([s.requested()]), known_tools=KNOWN, requested=False, now=s.now) == Idle()
 
 
+def test_a_task_called_off_ends_failed_only_if_nothing_it_did_stands(s: Stamper) -> None:
+    """Called off while its charge was in flight, and the charge landed: not "failed" (read
+    as "nothing happened, safe to try again"), but a task a person must see."""
+    landed = [s.started(), s.intended(1), s.attempted(1, 1), s.aborted("wrong customer"),
+              s.settled(1, Outcome.DONE, attempt=1, evidence={"charge_id": "ch_1"})]
+    move = decide(fold(landed), known_tools=KNOWN, requested=False, now=s.now)
+    assert move == Finish(FinalState.NEEDS_ATTENTION,
+                          "aborted by operator: wrong customer; done before it stopped, and not "
+                          "undone (this task is not a saga): renewal-8812:1 (charge_customer)")
+    refused = [*landed[:4], s.settled(1, Outcome.NOT_DONE, attempt=1)]
+    assert decide(fold(refused), known_tools=KNOWN, requested=False, now=s.now) == Finish(
+        FinalState.FAILED, "aborted by operator: wrong customer")
+
 def test_a_rejection_names_at_most_a_few_unknown_tools_each_cut(s: Stamper) -> None:
     """A request listing thousands of long unknown names is rejected in a bounded reason (it
     is journaled for good): ten names at most, each cut."""

@@ -209,8 +209,7 @@ def decide(state: TaskState, *, known_tools: set[str], requested: bool, now: dat
             return Hold(f"step {step.step_id} is {step.status}")
 
     if state.aborted is not None:  # not a saga, or past its pivot: steps settle, then it ends
-        return _end(state, FinalState.FAILED,
-                    f"aborted by {state.aborted.by}: {state.aborted.reason}")
+        return _called_off(state, f"aborted by {state.aborted.by}: {state.aborted.reason}")
     policy = state.started.policy
     n = state.next_step_n
     refused = state.refused(n)
@@ -261,6 +260,21 @@ def _end(state: TaskState, final: FinalState, why: str) -> Finish:
     if stranded is not None:
         return Finish(FinalState.NEEDS_ATTENTION, stranded)
     return Finish(final, why)
+
+
+def _called_off(state: TaskState, why: str) -> Finish:
+    """How a task called off ends once its steps settled: `failed` only if nothing it did
+    stands ("failed" reads as "nothing happened, safe to try again"). A step done before the
+    call-off stands (only a saga undoes its steps): a person must see it."""
+    assert state.started is not None
+    stands = [f"{s.step_id} ({s.intent.tool})" for s in sorted(state.steps.values(),
+                                                             key=lambda s: s.n)
+              if s.outcome is Outcome.DONE and not saga.is_read(s)]
+    if not stands or state.started.policy.saga:  # a saga here is past its pivot: `_end` says
+        return _end(state, FinalState.FAILED, why)
+    return _end(state, FinalState.NEEDS_ATTENTION,
+                f"{why}; done before it stopped, and not undone (this task is not a saga): "
+                f"{', '.join(stands)}")
 
 
 def model_retry_at(failures: int, last: ModelFailed) -> datetime:
