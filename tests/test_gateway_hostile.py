@@ -1,4 +1,5 @@
-"""The webhook gateway against hostile or careless clients: bodies that trickle in (slowloris),
+"""The webhook gateway against hostile or careless clients: headers and bodies that trickle in
+(slowloris), more connections than it keeps open,
 requests their headers alone condemn, values longer than the reconciler can journal, values a
 provider chose in log lines, and requests aiohttp's own HTTP parser refuses.
 
@@ -32,6 +33,7 @@ from halfway.core.reconcile import Settle, declared_report, weigh_webhook
 from halfway.gateway import app as gateway_app
 from halfway.gateway import make_app
 from halfway.gateway.app import (
+    CONNECTIONS,
     EVENT_ID_CHARS_MAX,
     EVENT_TYPE_CHARS_MAX,
     GATEWAY,
@@ -40,6 +42,7 @@ from halfway.gateway.app import (
     Gateway,
     make_runner,
 )
+from halfway.gateway.connections import Connections
 from halfway.webhooks import standard
 from halfway.webhooks.providers import Provider, ProviderDeclaration, paysim
 from halfway.webhooks.signature import sign
@@ -55,6 +58,12 @@ SHORT_BODY_READ_S = 0.2  # the deadline where a test wants it to pass
 LONG_BODY_READ_S = 3600.0  # where a test must not see it pass: any answer is not the deadline
 TRICKLE_S = 0.05  # the slow client's pace: one body byte each
 TRICKLED_BYTES_MAX = 1000  # its announced body, never all sent
+# The headers' deadline where a test wants it to pass (a genuine request in the same test
+# sends its headers at once, well within it even on a loaded machine).
+SHORT_HEADERS_READ_S = 1.0
+BODY_PIECES = 10  # a body sent in this many pieces, over longer than the headers' deadline
+TRICKLERS = 20  # connections that trickle header lines and never end them
+CONNECTIONS_CAP = 8  # where a test fills the gateway's connections
 ATTEMPT_OFFSET = 3  # where the step's first attempt sits in its journal (FakeJournal ends at 41)
 
 # A Standard Webhooks provider (the id comes from the webhook-id header), and a Stripe-format
@@ -76,6 +85,7 @@ class Served:
     client: httpx.AsyncClient
     writer: FakeWriter
     gateway: Gateway
+    connections: Connections
 
 
 Serve = Callable[..., Awaitable[Served]]
@@ -87,10 +97,11 @@ async def serve() -> AsyncIterator[Serve]:
     runners: list[web.AppRunner] = []
     clients: list[httpx.AsyncClient] = []
 
-    async def start(*, body_read_s: float = gateway_app.BODY_READ_S) -> Served:
+    async def start(*, body_read_s: float = gateway_app.BODY_READ_S,
+                    **bounds: float) -> Served:
         writer = FakeWriter()
         app = make_app(OFFLINE, writer, [paysim(SECRET), HOTELS, LONGIDS],  # type: ignore[arg-type]
-                       journal=FakeJournal(), body_read_s=body_read_s)
+                       journal=FakeJournal(), body_read_s=body_read_s, **bounds)
         runner = make_runner(app)
         await runner.setup()
         runners.append(runner)
@@ -99,7 +110,7 @@ async def serve() -> AsyncIterator[Serve]:
         port = runner.addresses[0][1]
         client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=WAIT_S)
         clients.append(client)
-        return Served(port, client, writer, app[GATEWAY])
+        return Served(port, client, writer, app[GATEWAY], app[CONNECTIONS])
 
     yield start
     for client in clients:
@@ -302,7 +313,132 @@ async def test_a_garbled_chunked_body_is_a_json_4xx_never_a_500(
     assert json.loads(text)["error"]
 
 
-# --- 2. what the gateway accepts, the reconciler can journal --------------------------------------
+# --- 2. slow headers, and more connections than the gateway keeps open ---------------------------
+
+
+PARTIAL_HEAD = b"POST /webhooks/paysim HTTP/1.1\r\nHost: 127.0.0.1\r\n"  # never ended
+
+
+async def trickler(port: int, start: bytes = PARTIAL_HEAD,
+                   ) -> tuple[asyncio.StreamReader, asyncio.Task[None]]:
+    """A connection that sends `start` and then a header line every TRICKLE_S, never the
+    blank line that ends the headers, until it is closed."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(start)
+
+    async def trickle() -> None:
+        try:
+            while not reader.at_eof():
+                await asyncio.sleep(TRICKLE_S)
+                writer.write(b"X-Slow: 1\r\n")
+                await writer.drain()
+        except ConnectionError:
+            pass  # closed by the gateway
+        finally:
+            writer.close()
+
+    return reader, asyncio.create_task(trickle())
+
+
+async def closed_by_gateway(reader: asyncio.StreamReader) -> bytes:
+    """What the gateway sent before it closed the connection (a reset counts as closed)."""
+    async def rest() -> bytes:
+        try:
+            return await reader.read()
+        except ConnectionError:
+            return b""
+    return await asyncio.wait_for(rest(), WAIT_S)
+
+
+async def test_connections_trickling_headers_are_closed_at_the_deadline_and_logged_once(
+        serve: Serve, capsys: pytest.CaptureFixture[str]) -> None:
+    served = await serve(headers_read_s=SHORT_HEADERS_READ_S,
+                         connections_max=10 * TRICKLERS)  # the cap plays no part here
+    log.configure(json=True)
+    try:
+        capsys.readouterr()
+        trickling = [await trickler(served.port) for _ in range(TRICKLERS)]
+        # A kept-alive connection: one request answered, then the next one trickles.
+        reader, writer = await send_raw(served.port, {"Content-Length": "0"},
+                                        path="/webhooks/nobody")
+        status, _ = await answer(reader)
+        writer.write(PARTIAL_HEAD)
+        # While they trickle, a genuine webhook is answered.
+        response = await post_signed(served, charge_event(None))
+        sent = [await closed_by_gateway(r) for r, _ in trickling]
+        after_an_answer = await closed_by_gateway(reader)
+        lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    finally:
+        log.configure()
+        for _, task in trickling:
+            task.cancel()
+        writer.close()
+    assert (status, response.status_code) == (404, 200), response.text
+    assert sent == [b""] * TRICKLERS  # closed without an answer: there was no request
+    assert after_an_answer == b""
+    assert served.connections.late >= TRICKLERS + 1
+    assert len(served.writer.records) == 1
+    # One line for the flood (then at most one a CLOSED_LOG_INTERVAL_S), not one a connection.
+    [line] = [line for line in lines if line["event"] == "connections closed"]
+    assert line["without_headers"] == 1
+    assert line["headers_read_s"] == SHORT_HEADERS_READ_S
+
+
+async def test_a_request_being_handled_is_not_closed_by_the_headers_deadline(
+        serve: Serve) -> None:
+    served = await serve(headers_read_s=SHORT_HEADERS_READ_S, body_read_s=LONG_BODY_READ_S)
+    body = encode(charge_event(None))
+    reader, writer = await send_raw(served.port, stripe_head(body))
+    piece = -(-len(body) // BODY_PIECES)
+    try:
+        for start in range(0, len(body), piece):  # over more than twice the deadline
+            await asyncio.sleep(SHORT_HEADERS_READ_S / (BODY_PIECES / 2.5))
+            writer.write(body[start:start + piece])
+        status, text = await answer(reader)
+    finally:
+        writer.close()
+    assert status == 200, text
+    assert served.connections.late == 0
+
+
+async def test_past_the_connection_cap_the_idlest_is_closed_and_a_genuine_webhook_answered(
+        serve: Serve) -> None:
+    served = await serve(headers_read_s=LONG_BODY_READ_S, connections_max=CONNECTIONS_CAP)
+    trickling = []
+    try:
+        for _ in range(CONNECTIONS_CAP):
+            trickling.append(await trickler(served.port))
+            await until(lambda: served.connections.open == len(trickling),
+                        "the gateway to count the connection")
+        response = await post_signed(served, charge_event(None))
+        assert response.status_code == 200, response.text
+        assert await closed_by_gateway(trickling[0][0]) == b""  # the one waiting longest
+        assert served.connections.shed == 1
+        assert not any(r.at_eof() for r, _ in trickling[1:])
+    finally:
+        for _, task in trickling:
+            task.cancel()
+
+
+async def test_at_the_cap_with_every_connection_inside_a_request_a_new_one_is_closed(
+        serve: Serve) -> None:
+    served = await serve(headers_read_s=LONG_BODY_READ_S, body_read_s=LONG_BODY_READ_S,
+                         connections_max=1)
+    body = encode(charge_event(None))
+    reader, writer = await send_raw(served.port, stripe_head(body), body[:-1])
+    try:
+        await until(lambda: served.gateway.serving == 1, "the request to take its slot")
+        late, _ = await trickler(served.port)
+        assert await closed_by_gateway(late) == b""
+        writer.write(body[-1:])
+        status, text = await answer(reader)
+    finally:
+        writer.close()
+    assert status == 200, text
+    assert served.connections.shed == 1
+
+
+# --- 3. what the gateway accepts, the reconciler can journal --------------------------------------
 
 
 def _task() -> str:
@@ -401,7 +537,7 @@ async def test_a_key_that_is_not_ours_feeds_no_field_and_is_published_unkeyed(
     assert served.writer.records[0][0] == event["data"]["object"]["id"].encode()
 
 
-# --- 3. values a provider chose, in log lines -----------------------------------------------------
+# --- 4. values a provider chose, in log lines -----------------------------------------------------
 
 
 async def test_values_a_provider_chose_are_cut_in_log_lines(
@@ -425,7 +561,7 @@ async def test_values_a_provider_chose_are_cut_in_log_lines(
         assert line[name] == f"{value[:LOG_VALUE_CHARS_MAX]}… ({len(value)} characters)"
 
 
-# --- 4. requests aiohttp's parser refuses ---------------------------------------------------------
+# --- 5. requests aiohttp's parser refuses ---------------------------------------------------------
 
 
 async def test_a_header_over_aiohttps_limit_is_a_warning_without_a_traceback(

@@ -34,6 +34,10 @@ providers retry:
   start, which checks it): an operator must restore it;
 - 503: the broker did not answer (the journal's end offset, or the publish) in time.
 
+A connection must bring a request's headers within HEADERS_READ_S (of its start, or of the end
+of its previous request), and at most CONNECTIONS_MAX are open at once; past it, the one that
+has waited longest for its headers is closed to let a new one in (`gateway.connections`).
+
 What the headers alone condemn (a Content-Length over the limit, a signature header missing or
 unreadable, a timestamp already outside the window) is refused before the body is read and
 before the request takes one of the REQUESTS_AT_ONCE_MAX slots; a request that takes one holds
@@ -79,6 +83,7 @@ from halfway.contract.events import StepSettled
 from halfway.contract.ids import KEY_PATTERN, parse_step_id, step_of_key
 from halfway.contract.topics import JOURNAL, WEBHOOKS
 from halfway.contract.webhooks import WebhookReceived
+from halfway.gateway.connections import HEADERS_READ_S, Connections
 from halfway.journal import JournalWriter
 from halfway.journal.admin import (
     AUTHORIZATION_ERRORS,
@@ -257,6 +262,7 @@ class Gateway:
 
 
 GATEWAY = web.AppKey("gateway", Gateway)
+CONNECTIONS = web.AppKey("connections", Connections)
 
 
 class _Malformed(Exception):
@@ -585,19 +591,26 @@ def make_app(settings: KafkaSettings, writer: JournalWriter,
              served: Iterable[Provider] | Mapping[str, Provider], *,
              tolerance_s: float = TOLERANCE_S_DEFAULT,
              journal: JournalEnds | None = None,
-             body_read_s: float = BODY_READ_S) -> web.Application:
+             body_read_s: float = BODY_READ_S,
+             headers_read_s: float = HEADERS_READ_S,
+             connections_max: int | None = None) -> web.Application:
     """The gateway for the `served` providers (`webhooks.providers.load()`, or `paysim(secret)`
     in tests), each at `/webhooks/{name}`.
 
     `writer` must be started; the app neither starts nor stops it. `journal` says where the
     journal ends (the stamp on webhooks that name a task); without one the app reads the
     journal topic itself, from its startup to its cleanup. A body not in `body_read_s` after
-    the handler starts reading it is answered 408. Serve it with `make_runner`."""
+    the handler starts reading it is answered 408. A connection without a request's headers
+    `headers_read_s` after its start (or its previous request) is closed, and at most
+    `connections_max` are open (default: CONNECTIONS_MAX, under the descriptor limit): both
+    only when served with `make_runner`."""
     if tolerance_s <= 0:
         raise ValueError(f"tolerance_s must be positive, got {tolerance_s}")
     if body_read_s <= 0:
         raise ValueError(f"body_read_s must be positive, got {body_read_s}")
-    app = web.Application(client_max_size=BODY_BYTES_MAX)
+    connections = Connections(headers_read_s, connections_max)
+    app = web.Application(client_max_size=BODY_BYTES_MAX, middlewares=[connections.middleware()])
+    app[CONNECTIONS] = connections
     if journal is None:
         ends = KafkaJournalEnds(settings)
         journal = ends
@@ -638,10 +651,25 @@ class _ServerLog(logging.LoggerAdapter[logging.Logger]):
 _SERVER_LOG = _ServerLog(logging.getLogger("aiohttp.server"))
 
 
+class _Runner(web.AppRunner):
+    """aiohttp's runner, whose server tells the app's `Connections` of every connection."""
+
+    async def setup(self) -> None:
+        await super().setup()
+        assert self.server is not None
+        self.app[CONNECTIONS].watch(self.server)
+
+    async def cleanup(self) -> None:
+        try:
+            await super().cleanup()
+        finally:
+            self.app[CONNECTIONS].stop()
+
+
 def make_runner(app: web.Application) -> web.AppRunner:
     """The runner the gateway's app is served with (`serve_gateway`, and tests)."""
-    return web.AppRunner(app, access_log=None, logger=_SERVER_LOG,
-                         shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    return _Runner(app, access_log=None, logger=_SERVER_LOG,
+                   shutdown_timeout=SHUTDOWN_TIMEOUT_S)
 
 
 async def serve_gateway(host: str | None = None, port: int | None = None) -> None:

@@ -36,8 +36,13 @@ Webhooks (the reconciler's side topic) are held until the journal partition of t
 has been read past the offset the gateway stamped on them (`WebhookReceived.journal_offset`):
 only then is it known whether the step they name was attempted before they arrived. Then they
 are handed over once (`take_webhooks`); the follower keeps no webhook longer than that. Held
-webhooks are bounded in number (the webhooks partition is paused past HELD_WEBHOOKS_MAX) and in
-time (past HELD_WEBHOOK_S_MAX one is handed over marked unordered, and quarantined).
+webhooks are bounded in number and in bytes (the webhooks partition is paused past
+HELD_WEBHOOKS_MAX or HELD_WEBHOOK_BYTES_MAX) and in time (past HELD_WEBHOOK_S_MAX one is handed
+over marked unordered, and quarantined). One stamped past every end of its journal partition
+this process knows sends it to ask the broker (`_ask_ends`, at most once per
+END_CHECK_INTERVAL_S, for every partition that needs it): still past the end the broker gave
+after it arrived, it is handed over marked `past_end` (no gateway can have read that end:
+forged), and quarantined instead of held.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ import gc
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Set
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -128,9 +133,18 @@ FAILURES_MAX = 8
 # Webhooks waiting for the journal to be read past their offset, per partition; past this the
 # webhooks partition is paused until the journal catches up (resumed below half of it).
 HELD_WEBHOOKS_MAX = 10_000
+# ...and their records' bytes (a record may be 1 MiB: 10,000 of them per partition would be
+# gigabytes). Genuine webhooks are a few KiB, so the count binds first for them.
+HELD_WEBHOOK_BYTES_MAX = 32 * 1024 * 1024
 # A webhook held this long (its journal offset beyond anything the journal reaches: not a real
 # gateway's stamp) is handed over as unordered, and quarantined.
 HELD_WEBHOOK_S_MAX = 300.0
+# A webhook stamped past every end of its journal partition known here has the broker asked
+# for the ends: at most this often (one request for every partition that needs it), so a flood
+# of forged stamps costs a request a second. A genuine webhook never waits for it: it is
+# handed over once the journal is read past its stamp, whatever the broker says.
+END_CHECK_INTERVAL_S = 1.0
+END_CHECK_TIMEOUT_S = 10.0  # then asked again at the next interval
 # How often the webhooks partitions' "weighed up to here" offsets are committed.
 WEBHOOK_COMMIT_INTERVAL_S = 1.0
 
@@ -169,6 +183,10 @@ class HeldWebhook:
     fresh: bool
     unordered: bool = False  # held too long: its journal offset was never reached
     received_s: float = 0.0  # monotonic, when this process read it
+    size: int = 0  # its record's bytes
+    # Its journal offset is past this end of its journal partition, which the broker gave
+    # after it arrived (unordered too): no gateway stamped it.
+    past_end: int | None = None
 
 
 class _States(dict[str, TaskState]):
@@ -269,6 +287,12 @@ class JournalFollower:
         self.first_attempt: dict[str, int] = {}
         self._held: dict[int, list[HeldWebhook]] = {}  # partition number -> waiting webhooks
         self._held_tasks: Counter[str] = Counter()  # task id -> its webhooks in `_held`
+        self._held_bytes: Counter[int] = Counter()  # partition number -> bytes in `_held`
+        # Journal partition number -> (its end offset, monotonic time it was asked for).
+        self._asked_ends: dict[int, tuple[int, float]] = {}
+        self._ends_wanted: set[int] = set()  # journal partitions to ask the end of
+        self._ends_asked_s = -END_CHECK_INTERVAL_S  # monotonic, the last time they were
+        self._asking_ends: asyncio.Task[None] | None = None
         self._weighable: dict[str, list[HeldWebhook]] = {}  # task id -> webhooks to weigh now
         self._paused: set[TopicPartition] = set()
         self._partitions: dict[TopicPartition, _Partition] = {}
@@ -329,6 +353,8 @@ class JournalFollower:
             self._retries.clear()
             for loader in list(self._loaders):
                 loader.cancel()
+            if self._asking_ends is not None:
+                self._asking_ends.cancel()
             if self._snapshotting is not None:
                 self._snapshotting.cancel()
                 with contextlib.suppress(BaseException):
@@ -351,7 +377,7 @@ class JournalFollower:
             if self._adoptions != adoptions:
                 deliveries = self._not_before_adoption(deliveries, adoptions)
             for d in deliveries:
-                self._apply(d.event, TopicPartition(d.topic, d.partition), d.offset)
+                self._apply(d.event, TopicPartition(d.topic, d.partition), d.offset, d.size)
             self._since_freeze += len(deliveries)
             if self._since_freeze >= GC_FREEZE_EVERY_RECORDS:
                 self._since_freeze = 0
@@ -564,7 +590,8 @@ class JournalFollower:
         part = self._partitions.get(TopicPartition(topic, partition))
         return part is not None and offset <= part.applied_to
 
-    def _apply(self, event: Event | WebhookReceived, tp: TopicPartition, offset: int) -> None:
+    def _apply(self, event: Event | WebhookReceived, tp: TopicPartition, offset: int,
+               size: int = 0) -> None:
         part = self._partitions.get(tp)
         if part is None:
             return  # a record fetched just before its partition was revoked
@@ -580,12 +607,16 @@ class JournalFollower:
             self._held_tasks[event.task_id] += 1
             held.append(HeldWebhook(event, tp.partition, offset,
                                     fresh=offset >= part.noticed_to,
-                                    received_s=time.monotonic()))
-            if len(held) >= HELD_WEBHOOKS_MAX and tp not in self._paused:
+                                    received_s=time.monotonic(), size=size))
+            self._held_bytes[tp.partition] += size
+            held_bytes = self._held_bytes[tp.partition]
+            if (len(held) >= HELD_WEBHOOKS_MAX or held_bytes >= HELD_WEBHOOK_BYTES_MAX) \
+                    and tp not in self._paused:
                 self._consumer.pause(tp)  # the journal catches up first
                 self._paused.add(tp)
                 self._log.warning("webhooks paused until the journal catches up",
-                                  partition=tp.partition, held=len(held))
+                                  partition=tp.partition, held=len(held),
+                                  held_bytes=held_bytes)
             return
         if tp.topic != self._journal and self.sealed.has(tp.partition, event.task_id):
             # A request again for a task over for good: nothing to start, so nothing is kept
@@ -771,14 +802,17 @@ class JournalFollower:
             if journal is None:
                 continue
             waiting = []
+            fetched = self._consumer.highwater(TopicPartition(self._journal, number)) or 0
             for item in held:
                 stamp = item.hook.journal_offset
                 ordered = (stamp is None or item.hook.journal_partition != number
                            or journal.applied_to >= stamp - 1)
+                past_end = None if ordered else self._past_end(number, stamp, item.received_s,
+                                                               fetched)
                 overdue = now_s - item.received_s > HELD_WEBHOOK_S_MAX
-                if ordered or overdue:
-                    ready = item if ordered else HeldWebhook(
-                        item.hook, item.partition, item.offset, item.fresh, unordered=True)
+                if ordered or overdue or past_end is not None:
+                    ready = item if ordered else replace(item, unordered=True,
+                                                         past_end=past_end)
                     task_id = item.hook.task_id
                     assert task_id is not None
                     self._held_tasks[task_id] -= 1
@@ -789,10 +823,56 @@ class JournalFollower:
                 else:
                     waiting.append(item)
             self._held[number] = waiting
+            self._held_bytes[number] = sum(item.size for item in waiting)
             tp = next((t for t in self._paused if t.partition == number), None)
-            if tp is not None and len(waiting) < HELD_WEBHOOKS_MAX // 2:
+            if tp is not None and len(waiting) < HELD_WEBHOOKS_MAX // 2 \
+                    and self._held_bytes[number] < HELD_WEBHOOK_BYTES_MAX // 2:
                 self._consumer.resume(tp)
                 self._paused.discard(tp)
+        self._ask_ends_soon()
+
+    def _past_end(self, number: int, stamp: int | None, received_s: float,
+                  fetched: int) -> int | None:
+        """The end of journal partition `number` the broker gave after a webhook stamped
+        `stamp` arrived (at `received_s`), if the stamp is past it; else None, and the end is
+        asked for when the stamp is past every end known here (`fetched`: as of the last
+        fetch). A genuine stamp is an end the gateway read before publishing: the broker's
+        ends since are at or past it."""
+        assert stamp is not None
+        asked = self._asked_ends.get(number)
+        if asked is not None and asked[1] >= received_s:
+            return asked[0] if stamp > asked[0] else None
+        if stamp > max(fetched, asked[0] if asked is not None else 0):
+            self._ends_wanted.add(number)
+        return None
+
+    def _ask_ends_soon(self) -> None:
+        """Ask the broker for the ends `_past_end` wants, unless it was asked less than
+        END_CHECK_INTERVAL_S ago (then at a later turn of the loop) or is being asked."""
+        now_s = time.monotonic()
+        if (not self._ends_wanted or self._asking_ends is not None
+                or now_s - self._ends_asked_s < END_CHECK_INTERVAL_S):
+            return
+        numbers, self._ends_wanted = self._ends_wanted, set()
+        self._ends_asked_s = now_s
+        self._asking_ends = asyncio.create_task(self._ask_ends(numbers, now_s))
+
+    async def _ask_ends(self, numbers: set[int], asked_s: float) -> None:
+        """The journal partitions' ends now, as `_past_end` reads them; the loop is woken to
+        hand over what they show forged. A failure is logged: asked again when wanted."""
+        tps = [TopicPartition(self._journal, n) for n in sorted(numbers)]
+        try:
+            async with asyncio.timeout(END_CHECK_TIMEOUT_S):
+                ends = await self._consumer.kafka.end_offsets(tps)
+        except Exception as exc:  # the broker's errors are many; each means "not known now"
+            self._log.warning("journal ends not read", error=repr(exc)[:500],
+                              partitions=sorted(numbers))
+            return
+        finally:
+            self._asking_ends = None
+        for tp, end in ends.items():
+            self._asked_ends[tp.partition] = (end, asked_s)
+        self._wake.set()
 
     async def _commit_webhooks(self) -> None:
         """Commit, per webhooks partition, the offset below which every webhook was weighed
@@ -894,6 +974,7 @@ class JournalFollower:
             self.restored.pop(tp.partition, None)
             self.sealed.drop(tp.partition)
         if tp.topic != self._journal:
+            self._held_bytes.pop(tp.partition, None)
             for item in self._held.pop(tp.partition, ()):
                 self._held_tasks[item.hook.task_id or ""] -= 1
             self._held_tasks = +self._held_tasks  # drop the zeros

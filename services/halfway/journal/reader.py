@@ -298,7 +298,8 @@ class EventConsumer:
             # commit that overtook it.
             await self.dead_letters.send(record, exc.reason)
             return None
-        return Delivery(event, record.topic, record.partition, record.offset)
+        return Delivery(event, record.topic, record.partition, record.offset,
+                        len(record.value or b""))
 
     async def commit(self, delivery: Delivery) -> None:
         """Everything up to and including `delivery` in its partition has been acted on."""

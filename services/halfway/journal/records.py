@@ -202,6 +202,7 @@ class Delivery:
     topic: str
     partition: int
     offset: int
+    size: int = 0  # the record's value, in bytes (what a held webhook counts)
 
 
 def dead_letter(record: ConsumerRecord, reason: str, *, group: str | None,

@@ -123,6 +123,12 @@ class Reconciler(StepWorker):
 
     def _weigh(self, item: HeldWebhook, effect: Effect | None) -> WebhookMove:
         hook = item.hook
+        if item.past_end is not None:
+            return Quarantine(f"the webhook for {hook.key} names journal offset "
+                              f"{hook.journal_offset} of journal partition "
+                              f"{hook.journal_partition}, past its end {item.past_end} when "
+                              "the broker was asked after the webhook arrived: no gateway "
+                              "stamped it so")
         if item.unordered:
             return Quarantine(f"held the webhook for {hook.key} too long: its journal offset "
                               f"{hook.journal_offset} was never reached")
