@@ -230,3 +230,44 @@ async def test_a_tool_that_will_not_stop_neither_holds_its_step_nor_its_process(
     assert await stop(worker) == 0  # not killed: it did not wait for the tool
     assert worker.logged("stopped with tool calls that would not stop still running: exiting "
                          "without waiting for them")
+
+
+ONE_SEAT_APP = '''
+import asyncio
+
+from halfway import App
+
+app = App(name="seats", instructions="Book the seat.")
+
+
+@app.tool(effect="idempotent", subject="seat:{seat}")
+async def book(seat: str, who: str) -> dict:
+    """Book a seat for a while."""
+    await asyncio.sleep(0.2)
+    return {"seat": seat, "who": who}
+'''
+
+
+async def test_tasks_waiting_on_one_subject_are_woken_one_at_a_time(
+        core: Cluster, tmp_path: Path) -> None:
+    """Ten tasks on one seat: each release wakes the first waiting task, not all of them. Woken
+    together, each would ask again and be refused again: 45 refusals (and questions) for ten
+    tasks, N(N-1)/2, where one at a time makes about one each."""
+    from halfway.contract import StepRefused, TaskRequested
+    from halfway.journal.records import stamp
+
+    apps = tmp_path / "apps"
+    apps.mkdir()
+    (apps / "seatagent.py").write_text(textwrap.dedent(ONE_SEAT_APP))
+    await core.start("worker", "--app", "seatagent:app", cwd=apps)
+    seat, tasks = new_id("seat"), [new_id("seat-task") for _ in range(10)]
+    for task_id in tasks:
+        await core.publish(TaskRequested(
+            **stamp(task_id), allowed_tools=["book"],
+            input={"script": [{"tool": "book", "args": {"seat": seat, "who": task_id}}]}))
+
+    states = await core.journal.until_finished(tasks, timeout_s=LONG_WAIT_S)
+    assert all(s.final_state is FinalState.SUCCEEDED for s in states.values())
+    blocked = [e for e in core.journal.events
+               if isinstance(e, StepRefused) and e.task_id in states and e.blocked is not None]
+    assert len(blocked) <= 2 * len(tasks), len(blocked)

@@ -123,6 +123,13 @@ JOURNAL_UNREACHABLE = (KafkaError, OSError, TimeoutError)
 TASK_REQUEST_BYTES_MAX = 256 * 1024
 TOOL_NAME_CHARS_MAX = 200  # of a proposed tool name, as journaled in a refusal
 ERROR_CHARS_MAX = 1000  # of an error, in the summary of a task given up on
+# A released subject wakes one of the tasks here waiting for it (the first to wait), not all:
+# woken together, each would ask the model and claim, one would win and the rest be refused
+# and wait again, N(N-1)/2 questions for N tasks on one subject. The next is woken once the
+# woken one has moved (placed its step, finished, waits again) and the subject is free, or
+# this long after it was woken, whichever comes first (a question may take long, or the task
+# may have moved to another decider).
+TURN_S_MAX = 120.0
 
 
 class Hand(Protocol):
@@ -181,10 +188,15 @@ class Decider:
         self._asks_running = 0  # `_ask` tasks: at most MODEL_CALLS_MAX
         # Claims (event ids) this process released, per task, while the guard still lists them.
         self._released: dict[str, set[str]] = {}
-        # Tasks waiting for a subject held by another step: (tool, subject) -> task ids. Bounded
-        # by the tasks waiting; each is also woken at its deadline by a timer.
-        self._waiting: dict[tuple[str, str], set[str]] = {}
+        # Tasks waiting for a subject held by another step: (tool, subject) -> task ids, in
+        # the order they began to wait. Bounded by the tasks waiting; each is also woken at its
+        # deadline by a timer.
+        self._waiting: dict[tuple[str, str], dict[str, None]] = {}
         self._waits_on: dict[str, tuple[str, str]] = {}  # the other way round
+        # The task woken for a released subject, per subject, until it moves (TURN_S_MAX):
+        # (task id, the step it was woken to ask for, the timer that ends its turn).
+        self._turns: dict[tuple[str, str], tuple[str, int, asyncio.TimerHandle]] = {}
+        self._turn_of: dict[str, tuple[str, str]] = {}  # the other way round
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._log = log.get("halfway.decider")
 
@@ -202,6 +214,8 @@ class Decider:
             metrics.MODEL_QUESTIONS_WAITING.dec(len(self._queued))
             self._queued.clear()
             for timer in self._timers.values():
+                timer.cancel()
+            for _, _, timer in self._turns.values():
                 timer.cancel()
             await self.follower.stop()
             await self.guards.stop()
@@ -229,18 +243,54 @@ class Decider:
         if self.follower.owns(record.task_id):
             self.follower.touch(record.task_id)  # a claim of one of ours: is it abandoned?
         if isinstance(record, SubjectReleased):
-            for task_id in self._waiting.pop((record.tool, record.subject), ()):
-                self._waits_on.pop(task_id, None)
-                self.follower.touch(task_id)
+            self._next_turn((record.tool, record.subject))
+
+    def _next_turn(self, subject: tuple[str, str]) -> None:
+        """Wake the first task here waiting for `subject` (TURN_S_MAX), unless one woken for
+        it has not moved yet."""
+        waiting = self._waiting.get(subject)
+        if subject in self._turns or not waiting:
+            return
+        task_id = next(iter(waiting))
+        self._stop_waiting(task_id)
+        timer = asyncio.get_running_loop().call_later(TURN_S_MAX, self._turn_over, subject)
+        self._turns[subject] = (task_id, self._state(task_id).next_step_n, timer)
+        self._turn_of[task_id] = subject
+        self.follower.touch(task_id)
+
+    def _turn_over(self, subject: tuple[str, str]) -> None:
+        """The woken task has moved (or had its time): the next one is woken if the subject
+        is still free."""
+        turn = self._turns.pop(subject, None)
+        if turn is None:
+            return
+        task_id, _, timer = turn
+        timer.cancel()
+        self._turn_of.pop(task_id, None)
+        if self.guards.book.holder_of(*subject) is None:
+            self._next_turn(subject)
+
+    def _moved(self, task_id: str, state: TaskState) -> None:
+        """End the turn of a woken task once it moved: its step placed (on that subject or
+        another), or it is over."""
+        subject = self._turn_of.get(task_id)
+        if subject is None:
+            return
+        _, n, _ = self._turns[subject]
+        if state.next_step_n > n or state.finished is not None or state.rejected is not None:
+            self._turn_over(subject)
 
     async def _on_change(self, task_ids: set[str]) -> None:
         await self.follower.for_each(task_ids, self._advance)
 
     async def _advance(self, task_id: str) -> None:
         if task_id in self.follower.sealed:
+            if (subject := self._turn_of.get(task_id)) is not None:
+                self._turn_over(subject)
             return  # over for good: nothing to decide, and no claim of it to move
         with log.bound(task_id=task_id):
             state = self._state(task_id)
+            self._moved(task_id, state)
             if state.finished is not None or state.rejected is not None:
                 self._stop_waiting(task_id)  # over: no step of it waits for a subject
             if await self._move_claims(state):
@@ -346,24 +396,29 @@ class Decider:
         gone = {t for t in gone if not self.follower.owns(t)}
         for key in [k for k in self._place_failures if k[0] in gone]:
             del self._place_failures[key]
+        gone |= {t for t in self._turn_of if not self.follower.owns(t)}
         for task_id in gone:
             self._released.pop(task_id, None)
             self._stop_waiting(task_id)
+            if (subject := self._turn_of.get(task_id)) is not None:
+                self._turn_over(subject)  # its new owner moves it; the next here is woken
             if (timer := self._timers.pop(task_id, None)) is not None:
                 timer.cancel()
 
     def _stop_waiting(self, task_id: str) -> None:
         subject = self._waits_on.pop(task_id, None)
         if subject is not None and (waiting := self._waiting.get(subject)) is not None:
-            waiting.discard(task_id)
+            waiting.pop(task_id, None)
             if not waiting:
                 del self._waiting[subject]
 
     def _wait(self, task_id: str, held: SubjectHeld, until: datetime) -> None:
         """Wake the task when the subject is released (the guard view says so), or at `until`."""
         self._stop_waiting(task_id)  # one subject at a time: the one it was refused for last
+        if (turn := self._turn_of.get(task_id)) is not None:
+            self._turn_over(turn)  # woken, it lost the subject again: its turn has passed
         self._waits_on[task_id] = (held.tool, held.subject)
-        self._waiting.setdefault((held.tool, held.subject), set()).add(task_id)
+        self._waiting.setdefault((held.tool, held.subject), {})[task_id] = None
         self._wake_at(task_id, until)
         self._log.info("waiting for a subject", subject=held.subject, holder=held.holder,
                        until=until.isoformat())
