@@ -402,16 +402,21 @@ class Verdict(StrEnum):
 
 @app.command()
 def resolve(
-    step: Annotated[str, typer.Argument(help="the step id, e.g. renewal-8812:1")],
+    step: Annotated[str, typer.Argument(
+        help="the step id, e.g. renewal-8812:1; or its undo's key, e.g. trip-7:1:undo "
+             "(:undo2, :undo3 once intended again)")],
     outcome: Annotated[Verdict, typer.Argument(help="done or not_done")],
     evidence: Annotated[list[str] | None, typer.Option(
         help="key=value, repeatable; done needs at least one")] = None,
     reason: Annotated[str | None, typer.Option(help="why; not_done needs one")] = None,
     by: Annotated[str | None, typer.Option(
         help="who resolves it; the OS user is journaled with it (alone without it)")] = None,
-    force: Annotated[bool, typer.Option(help="settle a step already settled")] = False,
+    force: Annotated[bool, typer.Option(
+        help="settle a step already settled (kept as a contradiction if it disagrees)")] = False,
 ) -> None:
-    """Settle a step by hand (source: operator), for steps that need attention."""
+    """Settle a step, or a saga's undo, by hand (source: operator), for those that need
+    attention. The first verdict in the journal counts: one that lost a race to another is
+    refused, naming the first (exit 2)."""
     from halfway.contract import Outcome
     from halfway.resolve import ResolveRefused, operator_identity
     from halfway.resolve import resolve as resolve_step

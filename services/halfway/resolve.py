@@ -1,12 +1,22 @@
-"""Operator resolution: a person settles a step the harness could not.
+"""Operator resolution: a person settles a step, or a saga's undo, the harness could not.
 
 Also `halfway abort TASK --reason …`: a caller or operator calls a task off.
 
 `halfway resolve STEP done --evidence charge_id=ch_…` or
 `halfway resolve STEP not_done --reason "the bank confirmed no payment"` journals
-`step.settled` with source `operator`; the decider then moves the task on. It refuses to settle
-a step that is not in the journal, or one already settled (a second verdict would only be kept
-as a contradiction: say `--force` to record one deliberately).
+`step.settled` with source `operator`; the decider then moves the task on. An undo is named by
+its key, `STEP:undo` (or `:undo2`, `:undo3`, the keys it was intended under again), and is
+settled the same way with `compensation.settled`; the saga's undoing goes on from that verdict.
+It refuses to settle an effect that is not in the journal, or one already settled (a second
+verdict is kept as a contradiction: say `--force` to record one deliberately; the record says
+so in `contradiction`).
+
+Log order is the arbiter, not what this process read. Two operators may read an effect open at
+once and both append a verdict, so after appending the verdict this reads the task's journal
+back up to that record and answers from it: accepted only if the fold took this verdict as the
+effect's settlement; otherwise refused, naming the settlement that came first (the fold keeps
+the late record in `not_accepted`, never as a contradiction). The same holds for a call-off:
+the first `task.aborted` in the log is the one that counts.
 
 Who acted is journaled, never left blank: the command line records the OS user it runs as
 (`os:alice`), after the name `--by` gives when one is given (`the CFO (os:alice)`); the HTTP API
@@ -20,12 +30,15 @@ import contextlib
 import getpass
 import os
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from aiokafka.structs import RecordMetadata
 from pydantic import ValidationError
 
 from halfway import tracing
 from halfway.contract import (
+    CompensationSettled,
     Outcome,
     SettlementSource,
     StepSettled,
@@ -33,15 +46,18 @@ from halfway.contract import (
     encode_event,
     parse_step_id,
 )
-from halfway.contract.ids import is_task_id
+from halfway.contract.ids import UNDO_KEYS_MAX, is_task_id, mint_undo_key, parse_undo_key
+from halfway.contract.topics import JOURNAL
+from halfway.core.fold import EffectState, Settlement, TaskState, apply
 from halfway.journal import JournalWriter
 from halfway.journal.records import describe, stamp
-from halfway.journal.replay import task_state
+from halfway.journal.replay import read_topic, task_state
 from halfway.settings import KafkaSettings
 
 BY_CHARS_MAX = 200
 REASON_CHARS_MAX = 2000  # an operator's reason, here and in the API (halfway.api.bodies)
-E = TypeVar("E", StepSettled, TaskAborted)
+SAID_CHARS_MAX = 300  # of the first verdict, quoted in a refusal
+E = TypeVar("E", StepSettled, CompensationSettled, TaskAborted)
 
 
 class ResolveRefused(Exception):
@@ -118,44 +134,154 @@ async def _writer(settings: KafkaSettings, given: JournalWriter | None,
         yield writer
 
 
-async def resolve(settings: KafkaSettings, step_id: str, outcome: Outcome, *,
-                  evidence: dict[str, Any] | None, reason: str | None, by: str,
-                  force: bool = False, writer: JournalWriter | None = None) -> StepSettled:
-    by = _checked_by(by)
+@dataclass(frozen=True, slots=True)
+class Effect:
+    """What a resolution names: a step (`generation` None) or its undo under one key."""
+
+    task_id: str
+    step_id: str
+    n: int
+    generation: int | None = None
+
+    @property
+    def name(self) -> str:
+        if self.generation is None:
+            return f"step {self.step_id}"
+        return f"the undo {mint_undo_key(self.step_id, self.generation)}"
+
+    def state_in(self, state: TaskState) -> EffectState | None:
+        """Its state in the task's fold; None if the journal does not hold it."""
+        step = state.step(self.n)
+        if step is None or self.generation is None:
+            return None if step is None else step.effect
+        return next((u.state for u in step.undos if u.plan.generation == self.generation),
+                    None)
+
+
+def parse_effect(name: str) -> Effect:
+    """A step id (`TASK:N`) or an undo key (`TASK:N:undo`, `:undo2`, …); ResolveRefused if
+    it is neither."""
+    undo = parse_undo_key(name)
+    step = undo[0] if undo is not None else name
     try:
-        task_id, n = parse_step_id(step_id)
-    except ValueError as exc:
-        raise ResolveRefused(str(exc)) from None
+        task_id, n = parse_step_id(step)
+    except ValueError:
+        raise ResolveRefused(f"invalid step id {name[:80]!r}: must be a step's "
+                             "'{task_id}:{n}' or its undo's '{task_id}:{n}:undo' (':undo2', "
+                             f"… ':undo{UNDO_KEYS_MAX}' once intended again)") from None
+    return Effect(task_id, step, n, None if undo is None else undo[1])
+
+
+def _checked_verdict(outcome: Outcome, evidence: dict[str, Any] | None,
+                     reason: str | None) -> str | None:
+    """The reason, checked; ResolveRefused unless the verdict is substantiated."""
     if outcome is Outcome.UNKNOWN:
         raise ResolveRefused("an operator settles a step done or not_done; it is unknown already")
     if outcome is Outcome.DONE and not evidence:
         raise ResolveRefused("done needs evidence: --evidence charge_id=ch_…")
     if outcome is Outcome.NOT_DONE and reason is None:
         raise ResolveRefused("not_done needs a reason: --reason \"…\"")
-    if reason is not None:
-        reason = _checked_reason(reason)
-    with tracing.span("halfway.settlement", task_id, step_id, source="operator", by=by):
-        state = await task_state(settings, task_id)
-        step = state.step(n)
-        if step is None:
-            raise NotInJournal(f"step {step_id} is not in the journal")
-        if step.outcome in (Outcome.DONE, Outcome.NOT_DONE) and not force:
-            raise AlreadyDecided(f"step {step_id} is already {step.outcome}; a second verdict "
-                                 "would be kept as a contradiction (use --force to record one)")
-        event = _journalable(
-            StepSettled, **stamp(task_id), step_id=step_id, outcome=outcome,
-            source=SettlementSource.OPERATOR,
-            evidence={**evidence, "resolved_by": by} if evidence else None,
-            reason=f"{reason} (resolved by {by})" if reason else None)
+    return None if reason is None else _checked_reason(reason)
+
+
+def _open_effect(state: TaskState, effect: Effect, force: bool) -> Outcome | None:
+    """The outcome the effect has (a definitive one only with `force`); refused if the journal
+    does not hold it, or it is settled and this is not forced."""
+    step = state.step(effect.n)
+    if step is None:
+        raise NotInJournal(f"step {effect.step_id} is not in the journal")
+    outcome = step.outcome
+    if effect.generation is not None:
+        undo = effect.state_in(state)
+        if undo is None:
+            raise NotInJournal(f"{effect.name} is not in the journal (no undo of step "
+                               f"{effect.step_id} was intended under that key)")
+        outcome = undo.outcome
+    if outcome in (Outcome.DONE, Outcome.NOT_DONE) and not force:
+        raise AlreadyDecided(f"{effect.name} is already {outcome}; a second verdict would be "
+                             "kept as a contradiction (use --force to record one)")
+    return outcome
+
+
+def _verdict(effect: Effect, outcome: Outcome, seen: Outcome | None, *,
+             evidence: dict[str, Any] | None, reason: str | None, by: str) -> Settlement:
+    """The operator's settlement. One given knowing the effect was settled (`seen`, forced)
+    and disagreeing says so in `contradiction`: only then does the fold keep it as one."""
+    overrules = seen in (Outcome.DONE, Outcome.NOT_DONE) and seen is not outcome
+    fields: dict[str, Any] = {
+        **stamp(effect.task_id), "step_id": effect.step_id, "outcome": outcome,
+        "source": SettlementSource.OPERATOR,
+        "evidence": {**evidence, "resolved_by": by} if evidence else None,
+        "reason": f"{reason} (resolved by {by})" if reason else None,
+        "contradiction": (f"{by} says {outcome}, knowing it was settled {seen} (a second "
+                          "verdict, forced)") if overrules else None}
+    if effect.generation is None:
+        return _journalable(StepSettled, **fields)
+    return _journalable(CompensationSettled, generation=effect.generation, **fields)
+
+
+async def resolve(settings: KafkaSettings, step_id: str, outcome: Outcome, *,
+                  evidence: dict[str, Any] | None, reason: str | None, by: str,
+                  force: bool = False, writer: JournalWriter | None = None) -> Settlement:
+    """Settle the step or undo `step_id` names as the operator `by` says, and answer from the
+    log: AlreadyDecided if another settlement reached it first."""
+    by = _checked_by(by)
+    effect = parse_effect(step_id)
+    reason = _checked_verdict(outcome, evidence, reason)
+    with tracing.span("halfway.settlement", effect.task_id, effect.step_id,
+                      source="operator", by=by):
+        seen = _open_effect(await task_state(settings, effect.task_id), effect, force)
+        event = _verdict(effect, outcome, seen, evidence=evidence, reason=reason, by=by)
         async with _writer(settings, writer) as journal:
-            await journal.append(event)
+            meta = await journal.append(event)
         tracing.record(event)
+        if seen not in (Outcome.DONE, Outcome.NOT_DONE):  # forced: kept as asked, whatever came
+            _first_verdict(effect, event, await state_through(settings, effect.task_id, meta))
     return event
+
+
+def _first_verdict(effect: Effect, event: Settlement, state: TaskState) -> None:
+    """AlreadyDecided unless `event` is the effect's settlement in the log read back."""
+    known = effect.state_in(state)
+    first = None if known is None else known.settlement
+    if first is None or first.event_id == event.event_id:
+        return
+    agrees = "agrees with it" if first.outcome is event.outcome else "is kept as not accepted"
+    raise AlreadyDecided(f"{effect.name} was settled {_described(first)} before this verdict "
+                         f"reached the journal; yours {agrees}, and the first one stands (use "
+                         "--force to record a second verdict)")
+
+
+def _described(settlement: Settlement) -> str:
+    """A settlement in a few words: its outcome, source and what it rests on."""
+    said = settlement.reason or ", ".join(f"{k}={v}" for k, v in
+                                          (settlement.evidence or {}).items())
+    return f"{settlement.outcome} ({settlement.source}: {said[:SAID_CHARS_MAX]})"
+
+
+async def state_through(settings: KafkaSettings, task_id: str, appended: RecordMetadata,
+                        ) -> TaskState:
+    """The task's fold of its journal partition up to and including the record `appended`:
+    what the log holds before it, and it, never what came after."""
+    state = TaskState(task_id=task_id)
+    async with contextlib.aclosing(read_topic(settings, JOURNAL,
+                                              only_key=task_id.encode())) as deliveries:
+        async for delivery in deliveries:
+            if delivery.offset > appended.offset:
+                break
+            if delivery.event.task_id == task_id:
+                state = apply(state, delivery.event)
+            if delivery.offset == appended.offset:
+                return state
+    # acks=all: the record is below the end the read started from, so this is a broker that
+    # went away mid-read; whether the act counts is unknown, as for a write that timed out.
+    raise TimeoutError(f"the journal could not be read back to offset {appended.offset}")
 
 
 async def abort_task(settings: KafkaSettings, task_id: str, *, reason: str, by: str,
                      writer: JournalWriter | None = None) -> TaskAborted:
-    """Journal `task.aborted`: no new step is decided; a saga undoes what is proven done."""
+    """Journal `task.aborted`: no new step is decided; a saga undoes what is proven done. The
+    first call-off in the log counts: one that lost a race is refused, naming the winner."""
     by = _checked_by(by)
     reason = _checked_reason(reason)
     if not is_task_id(task_id):
@@ -163,12 +289,20 @@ async def abort_task(settings: KafkaSettings, task_id: str, *, reason: str, by: 
     state = await task_state(settings, task_id)
     if state.started is None:
         raise NotInJournal(f"task {task_id} has not started (nothing in the journal)")
-    if state.finished is not None:
-        raise AlreadyDecided(f"task {task_id} already finished {state.finished.state}")
-    if state.aborted is not None:
-        raise AlreadyDecided(f"task {task_id} was already called off by {state.aborted.by}: "
-                             f"{state.aborted.reason}")
+    _not_over(state)
     event = _journalable(TaskAborted, **stamp(task_id), reason=reason, by=by)
     async with _writer(settings, writer) as journal:
-        await journal.append(event)
+        meta = await journal.append(event)
+    after = await state_through(settings, task_id, meta)
+    if after.aborted is None or after.aborted.event_id != event.event_id:
+        _not_over(after)
     return event
+
+
+def _not_over(state: TaskState) -> None:
+    """AlreadyDecided if the task is finished or called off."""
+    if state.finished is not None:
+        raise AlreadyDecided(f"task {state.task_id} already finished {state.finished.state}")
+    if state.aborted is not None:
+        raise AlreadyDecided(f"task {state.task_id} was already called off by "
+                             f"{state.aborted.by}: {state.aborted.reason}")

@@ -12,7 +12,7 @@ from typing import Annotated, Literal, Self
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, model_validator
 
 from halfway.contract import TaskPolicy
-from halfway.contract.events import StepId, TaskId
+from halfway.contract.events import Key, StepId, TaskId
 from halfway.finite import refuse_non_finite
 from halfway.resolve import REASON_CHARS_MAX  # the command line's bound, the same act
 
@@ -53,9 +53,9 @@ class AbortTask(_Body):
 
 
 class ResolveStep(_Body):
-    """Settle a step by hand (source `operator`): done with evidence, or not done with the
-    reason. A step already settled is refused unless `force` (a second verdict is kept as a
-    contradiction, never silently)."""
+    """Settle a step, or its undo (`{step_id}:undo`), by hand (source `operator`): done with
+    evidence, or not done with the reason. One already settled is refused unless `force` (a
+    second verdict is kept as a contradiction, never silently)."""
 
     outcome: Literal["done", "not_done"]
     evidence: dict[str, FiniteJson] | None = Field(
@@ -90,6 +90,8 @@ class TaskAbortedAnswer(_Body):
 class StepResolvedAnswer(_Body):
     task_id: TaskId
     step_id: StepId
+    undo_key: Key | None = Field(None, description="Set when the verdict settles the step's "
+                                 "undo under this key (`compensation.settled`).")
     event_id: str
     outcome: Literal["done", "not_done"]
     by: str = Field(description="Who resolved it, as journaled: `api:TOKEN_NAME`.")

@@ -296,16 +296,20 @@ PATHS: dict[str, Any] = {
     }},
     "/api/steps/{step_id}/resolve": {"post": {
         "summary": "Settle a step by hand: `step.settled` with source `operator`, resolved by "
-                   "`api:TOKEN_NAME` (scope `operate`).",
+                   "`api:TOKEN_NAME` (scope `operate`); or, named by its undo key "
+                   "(`{step_id}:undo`, `:undo2`, `:undo3`), the step's undo: "
+                   "`compensation.settled`.",
         "operationId": "resolveStep",
         "parameters": [{"name": "step_id", "in": "path", "required": True,
-                        "schema": {"type": "string", "pattern": STEP_ID_PATTERN}}],
+                        "description": "A step id, or the key of the step's undo.",
+                        "schema": {"type": "string", "pattern": KEY_PATTERN}}],
         "requestBody": _body("ResolveStep"),
         "responses": {
             "202": _accepted("StepResolvedAnswer", "The settlement is in the journal."),
-            **_write_errors(not_found="The step is not in the journal.",
-                            conflict="The step is settled already (send force to record a "
-                                     "second verdict, kept as a contradiction)."),
+            **_write_errors(not_found="The step (or the undo) is not in the journal.",
+                            conflict="Settled already (send force to record a second verdict, "
+                                     "kept as a contradiction), or another verdict reached "
+                                     "the journal first (named in the error)."),
         },
         "security": [{"bearer": ["operate"]}],
     }},

@@ -1,4 +1,4 @@
-"""The API's write endpoints: start a task, call one off, settle a step by hand.
+"""The API's write endpoints: start a task, call one off, settle a step (or its undo) by hand.
 
 They write the same events the command line writes (`halfway start`, `abort`, `resolve`),
 through the same functions (`halfway.resolve`), with the token's name journaled as who acted
@@ -33,11 +33,18 @@ from halfway.api.bodies import (
 )
 from halfway.api.http import error, json_ok, require
 from halfway.contract import Outcome, TaskRequested
-from halfway.contract.ids import is_task_id, parse_step_id
+from halfway.contract.ids import is_task_id
 from halfway.contract.topics import TASKS
 from halfway.journal import JournalWriter
 from halfway.journal.records import stamp
-from halfway.resolve import AlreadyDecided, NotInJournal, ResolveRefused, abort_task, resolve
+from halfway.resolve import (
+    AlreadyDecided,
+    NotInJournal,
+    ResolveRefused,
+    abort_task,
+    parse_effect,
+    resolve,
+)
 from halfway.settings import KafkaSettings
 
 BODY_BYTES_MAX = 256 * 1024  # the decider's bound on a request it copies into the journal
@@ -167,26 +174,29 @@ async def abort(request: web.Request) -> web.Response:
 
 
 async def resolve_step(request: web.Request) -> web.Response:
+    """Settle a step (`{task_id}:{n}`) or its undo (`{task_id}:{n}:undo`, `:undo2`, …)."""
     principal = require(request, "operate")
-    step_id = request.match_info["step_id"]
+    name = request.match_info["step_id"]
     try:
-        task_id, _ = parse_step_id(step_id)
-    except ValueError:
-        raise error(web.HTTPBadRequest, f"{step_id[:60]!r} is not a step id "
-                    "({task_id}:{n})") from None
+        effect = parse_effect(name)
+    except ResolveRefused:
+        raise error(web.HTTPBadRequest, f"{name[:60]!r} is not a step id ({{task_id}}:{{n}}) "
+                    "or an undo's ({task_id}:{n}:undo)") from None
     body = await _body(request, ResolveStep)
     journal = request.app[JOURNAL]
     try:
         async with asyncio.timeout(BROKER_WAIT_S):
-            event = await resolve(journal.settings, step_id, Outcome(body.outcome),
+            event = await resolve(journal.settings, name, Outcome(body.outcome),
                                   evidence=body.evidence, reason=body.reason, by=principal.by,
                                   force=body.force, writer=await journal.writer())
     except ResolveRefused as exc:
         raise _refused(exc) from None
     except _UNREACHABLE as exc:
         raise _unreachable("resolution", exc) from None
-    log.get("halfway.api").info("step resolved", step_id=step_id, outcome=body.outcome,
-                                by=principal.by)
-    return json_ok(StepResolvedAnswer(task_id=task_id, step_id=step_id, event_id=event.event_id,
-                                      outcome=body.outcome, by=principal.by,
-                                      ).model_dump(mode="json"), status=202)
+    undo_key = name if effect.generation is not None else None
+    log.get("halfway.api").info("step resolved", step_id=effect.step_id, undo_key=undo_key,
+                                outcome=body.outcome, by=principal.by)
+    return json_ok(StepResolvedAnswer(
+        task_id=effect.task_id, step_id=effect.step_id, undo_key=undo_key,
+        event_id=event.event_id, outcome=body.outcome, by=principal.by,
+    ).model_dump(mode="json"), status=202)

@@ -321,6 +321,10 @@ def _undo(state: TaskState, why: str) -> TaskMove:
         return Compensate(tuple(undos), why)
     for step in steps:
         undo = step.undo
+        if step.compensation is not None and saga.undo_awaits_operator(step):
+            return Hold(f"undoing the saga; the undo of step {step.step_id} needs an "
+                        f"operator: {undo.attention_why} (halfway resolve "
+                        f"{step.compensation.key})")
         if step.compensation is not None and (undo.outcome is Outcome.NOT_DONE
                                               or step.undo_needs_attention):
             reason = undo.settlement.reason if undo.settlement else None

@@ -24,6 +24,10 @@ harmless with three rules:
    which is a contradiction too. A report that says it cannot settle the effect
    (`contradiction` set: another object, other amounts) goes to `contradictions` directly.
    An effect with a contradiction needs an operator until one settles it in agreement.
+   An operator's verdict is a contradiction only when it says it knew of the outcome it
+   overrules (`contradiction` set: `halfway resolve --force`). One that does not was given
+   while the effect looked open and raced the settlement before it in the log: the first
+   verdict stands, and the late one is kept in `not_accepted`.
 
 Fencing: a decision the log cannot accept is never a step. A paused decider wakes up and writes
 what it decided before the pause; the log orders that write against what happened meanwhile,
@@ -563,9 +567,31 @@ def _apply_to_step(state: TaskState, event: StepEvent) -> TaskState:
         # Keep the event: if the decision appears later, it is applied then.
         state = _note(state, event, f"step {event.step_id} was never intended")
         return replace(state, orphans=(*state.orphans, event))
+    if isinstance(event, StepSettled | CompensationSettled):
+        late = _late_verdict(step, event)
+        if late is not None:
+            return _not_accepted(state, event, late)
     steps = dict(state.steps)
     steps[n] = _step_with(step, event)
     return replace(state, steps=MappingProxyType(steps))
+
+
+def _late_verdict(step: StepState, event: Settlement) -> str | None:
+    """Why an operator's verdict is not taken (None: it is). One that does not say it knew
+    of a settlement (`contradiction` unset: no `--force`) was given on a log where the effect
+    was still open; if a definitive settlement that disagrees came first in the log, the two
+    operators (or the operator and a lookup) raced, and the first one in the log decided.
+    Only a verdict given knowing the effect was settled (`--force`, which sets
+    `contradiction`) is kept as a contradiction."""
+    if event.source is not SettlementSource.OPERATOR or event.contradiction is not None:
+        return None
+    undo = isinstance(event, CompensationSettled)
+    first = (_undo_at(step, event.generation) if undo else step.effect).settlement
+    if first is None or first.outcome in (Outcome.UNKNOWN, event.outcome):
+        return None
+    what = f"the undo of step {event.step_id}" if undo else f"step {event.step_id}"
+    return (f"an operator's verdict ({event.outcome}) on {what}, settled {first.outcome} "
+            f"({first.source}) earlier in the log: the first verdict stands; never applied")
 
 
 def _of_a_decision_not_taken(state: TaskState, step: StepState | None,
@@ -603,6 +629,12 @@ def _step_with(step: StepState, event: StepEvent) -> StepState:
             return _with_undo(step, event.generation, lambda u: u.with_check(event))
         case _:
             assert_never(event)
+
+
+def _undo_at(step: StepState, generation: int) -> EffectState:
+    """The step's undo under key `generation`: an earlier one, or else its latest."""
+    past = next((p for p in step.past_undos if p.plan.generation == generation), None)
+    return step.undo if past is None else past.state
 
 
 def _with_undo(step: StepState, generation: int,

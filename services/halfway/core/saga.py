@@ -20,11 +20,13 @@ From then on no step is decided; `undo_plan` names the done steps whose undo mus
 journaled (again, under the next key, once a lookup proved the last key did nothing), and the
 executor runs the undos in reverse order (`undo_may_run`): the undo of
 step k only once every later step is proven not done or undone. A step still unknown is
-undone only once it is proven done; one proven not done needs no undo. Once the pivot is done
-the saga only goes forward; one that cannot (a step after the pivot ends `not_done` and the
-model finishes, it gives up, or it is called off) ends `needs_attention` (`stranded`), never
-`failed`: what is done stands and cannot be undone (the customer was charged), and "failed"
-would read as "nothing happened, safe to try again".
+undone only once it is proven done; one proven not done needs no undo. An undo unknown with no
+further check waits for an operator's verdict (`undo_awaits_operator`): done, and the undos
+go on; not done, and the saga needs attention, as for an undo the provider refused. Once the
+pivot is done the saga only goes forward; one that cannot (a step after the pivot ends
+`not_done` and the model finishes, it gives up, or it is called off) ends `needs_attention`
+(`stranded`), never `failed`: what is done stands and cannot be undone (the customer was
+charged), and "failed" would read as "nothing happened, safe to try again".
 """
 
 from __future__ import annotations
@@ -146,6 +148,16 @@ def undo_may_run(state: TaskState, step: StepState) -> bool:
             continue
         return False
     return True
+
+
+def undo_awaits_operator(step: StepState) -> bool:
+    """The step's undo is unknown and no further check is planned, and no report about it
+    contradicts another: only a person can say whether it happened (`halfway resolve
+    STEP:undo`), and the saga goes on from that verdict, so it waits for one instead of
+    ending (as a task waits for an operator to settle its step)."""
+    return (step.compensation is not None and step.undo.escalated
+            and not step.undo.contradicted
+            and not any(p.state.needs_attention for p in step.past_undos))
 
 
 def undo_args(plan: CompensationPlan, args: dict[str, Any],
