@@ -291,6 +291,7 @@ async def test_when_kafka_or_postgresql_is_down_the_answer_is_503_naming_no_host
             assert response.status == 503, await response.text()
             words = (await response.json())["error"]
             assert "repeating the request is safe" in words
+            assert "could not be reached" in words  # refused at once: no wait to speak of
             assert "127.0.0.1" not in words
         response = await c.get("/api/tasks", headers=bearer(OPS))
         assert response.status == 503

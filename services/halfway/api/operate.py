@@ -19,7 +19,7 @@ import json
 from typing import TypeVar
 
 from aiohttp import web
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, KafkaTimeoutError, RequestTimedOutError
 from pydantic import BaseModel, ValidationError
 
 from halfway import log
@@ -116,8 +116,11 @@ async def _body(request: web.Request, model: type[M]) -> M:
 def _unreachable(what: str, exc: BaseException) -> web.HTTPException:
     log.get("halfway.api").warning("the journal cannot be reached", what=what,
                                    error=f"{type(exc).__name__}: {exc}")
+    # Worded from what happened: a broker that refuses connections answers at once.
+    timed_out = isinstance(exc, TimeoutError | KafkaTimeoutError | RequestTimedOutError)
+    failed = f"did not answer within {BROKER_WAIT_S:g} s" if timed_out else "could not be reached"
     return error(web.HTTPServiceUnavailable,
-                 f"the journal (Kafka) did not answer within {BROKER_WAIT_S:g} s, so whether "
+                 f"the journal (Kafka) {failed}, so whether "
                  f"the {what} is journaled is unknown; repeating the request is safe (a task id "
                  "starts once; a second call-off or resolution is refused once the first is in "
                  "the journal)")
