@@ -141,7 +141,7 @@ async def test_the_documented_bodies_still_validate(path: str, body: dict[str, A
     async with serving() as c:  # valid: it goes on to the journal, which is nowhere (503)
         response = await c.post(path, json=body, headers=bearer(OPS))
         assert response.status == 503, await response.text()
-        assert "journal (Kafka) did not answer" in (await response.json())["error"]
+        assert "the journal (Kafka) could not be reached" in (await response.json())["error"]
 
 
 # --- 5. a second verdict names the body field, not the command line's flag ---------------------
