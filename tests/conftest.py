@@ -9,12 +9,15 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator
 
+import asyncpg
 import pytest
 from hypothesis import settings
 
+from halfway import settings as env
 from halfway.contract.topics import ALL_TOPICS
 from halfway.journal import JournalWriter, ensure_topics
 from halfway.journal.admin import delete_topics
+from halfway.projector import store
 from halfway.settings import KafkaSettings
 
 # Before any test module (or the chaos benchmark a test imports) imports it: its asserts are
@@ -66,6 +69,23 @@ async def own_deployment(kafka_settings: KafkaSettings) -> AsyncIterator[KafkaSe
 async def writer(topics: KafkaSettings) -> AsyncIterator[JournalWriter]:
     async with JournalWriter(topics) as w:
         yield w
+
+
+@pytest.fixture
+async def pg(kafka_settings: KafkaSettings) -> AsyncIterator[asyncpg.Connection]:
+    """A connection to the read model's PostgreSQL (kafka_settings: the infrastructure is up)."""
+    conn = await store.connect(env.pg_dsn())
+    yield conn
+    await conn.close()
+
+
+@pytest.fixture
+async def schema(pg: asyncpg.Connection) -> AsyncIterator[str]:
+    """A schema name of this test's own; it, its rebuild and its old copy are dropped after."""
+    name = f"t_{uuid.uuid4().hex[:8]}"
+    yield name
+    for suffix in ("", "_rebuild", "_old"):
+        await store.drop_schema(pg, name + suffix)
 
 
 @pytest.fixture(autouse=True)

@@ -528,6 +528,15 @@ async def core(kafka_settings: KafkaSettings, tmp_path: Path,
         yield c
 
 
+@pytest.fixture
+async def trip(kafka_settings: KafkaSettings, tmp_path: Path,
+               request: pytest.FixtureRequest) -> Any:
+    """The same, with the travel simulator (the trip's sagas)."""
+    async with cluster(kafka_settings, tmp_path, charge_timeout_s=1.0, tripsim=True) as c:
+        request.node.stash[CLUSTER_KEY] = c
+        yield c
+
+
 async def ledger(url: str) -> list[dict[str, Any]]:
     """Every charge the provider made, oldest first."""
     async with httpx.AsyncClient(base_url=url, timeout=HTTP_TIMEOUT_S) as client:

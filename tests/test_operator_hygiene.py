@@ -109,21 +109,6 @@ async def own_journal(kafka_settings: KafkaSettings) -> AsyncIterator[KafkaSetti
     await delete_topics(settings, ALL_TOPICS)
 
 
-@pytest.fixture
-async def pg(kafka_settings: KafkaSettings) -> AsyncIterator[asyncpg.Connection]:
-    conn = await store.connect(env.pg_dsn())  # kafka_settings: the infrastructure is up
-    yield conn
-    await conn.close()
-
-
-@pytest.fixture
-async def schema(pg: asyncpg.Connection) -> AsyncIterator[str]:
-    name = f"hyg_{uuid.uuid4().hex[:8]}"
-    yield name
-    for suffix in ("", "_rebuild", "_old"):
-        await store.drop_schema(pg, name + suffix)
-
-
 def hostile_history(task_id: str) -> list[object]:
     s = Stamper(task_id)
     finished = s.finished(FinalState.SUCCEEDED).model_copy(

@@ -259,22 +259,6 @@ async def journal(kafka_settings: KafkaSettings) -> AsyncIterator[KafkaSettings]
     await delete_topics(settings, ALL_TOPICS)
 
 
-@pytest.fixture
-async def pg(kafka_settings: KafkaSettings) -> AsyncIterator[asyncpg.Connection]:
-    conn = await store.connect(env.pg_dsn())  # kafka_settings: infrastructure is up
-    yield conn
-    await conn.close()
-
-
-@pytest.fixture
-async def schema(pg: asyncpg.Connection) -> AsyncIterator[str]:
-    """A schema name of this test's own; it, its rebuild and its old copy are dropped after."""
-    name = f"t_{uuid.uuid4().hex[:8]}"
-    yield name
-    for suffix in ("", "_rebuild", "_old"):
-        await store.drop_schema(pg, name + suffix)
-
-
 async def applied(pg: asyncpg.Connection, schema: str, settings: KafkaSettings) -> dict[int, int]:
     if not await store.schema_exists(pg, schema):
         return {}

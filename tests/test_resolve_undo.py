@@ -14,8 +14,6 @@ as `compensation.settled` with source `operator`; and the saga goes on from the 
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,7 +41,7 @@ from tests.test_saga import TOOLS, Trip
 
 pytest.register_assert_rewrite("tests.processes")
 
-from tests.processes import CLUSTER_KEY, Cluster, cluster  # noqa: E402
+from tests.processes import Cluster  # noqa: E402
 
 pytest_plugins = ["tests.processes"]
 
@@ -213,14 +211,6 @@ async def test_the_api_and_the_command_line_settle_an_undo_by_its_key(
 
 
 # --- through real processes: the trip waits for the operator, then ends compensated -------------
-
-
-@pytest.fixture
-async def trip(kafka_settings: KafkaSettings, tmp_path: Path,
-               request: pytest.FixtureRequest) -> AsyncIterator[Cluster]:
-    async with cluster(kafka_settings, tmp_path, charge_timeout_s=1.0, tripsim=True) as c:
-        request.node.stash[CLUSTER_KEY] = c
-        yield c
 
 
 @pytest.mark.broker

@@ -57,14 +57,6 @@ def new_id(prefix: str) -> str:
 
 
 @pytest.fixture
-async def trip(kafka_settings: KafkaSettings, tmp_path: Path,
-               request: pytest.FixtureRequest) -> AsyncIterator[Cluster]:
-    async with cluster(kafka_settings, tmp_path, charge_timeout_s=1.0, tripsim=True) as c:
-        request.node.stash[CLUSTER_KEY] = c
-        yield c
-
-
-@pytest.fixture
 async def slow_trip(kafka_settings: KafkaSettings, tmp_path: Path,
                     request: pytest.FixtureRequest) -> AsyncIterator[Cluster]:
     """Calls may take 5 s before they are unknown: an undo is in flight long enough to kill
