@@ -32,7 +32,15 @@ from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from aiokafka.record.util import size_of_varint
 
 from halfway import settings as env
-from halfway.contract import FinalState, TaskRejected, TaskRequested, TaskStarted
+from halfway.contract import (
+    FinalState,
+    Outcome,
+    SettlementSource,
+    StepSettled,
+    TaskRejected,
+    TaskRequested,
+    TaskStarted,
+)
 from halfway.contract.events import DeadLetter
 from halfway.contract.guards import SubjectClaimed
 from halfway.contract.topics import DEAD_LETTERS, GUARDS, JOURNAL, TASKS, WEBHOOKS, TopicSpec
@@ -177,6 +185,14 @@ def poisons(settings: KafkaSettings, task_id: str, subject: str) -> list[Poison]
             assert value is None or len(value) == size, (kind, source.spec.suffix)
             out.append(Poison(kind, source.spec.name(settings.topic_prefix), key, value, words,
                               source))
+        if source.spec is TASKS:
+            # A valid event, but no request: folded, a caller could settle a step.
+            forged = StepSettled(event_id=_id(), task_id=owner, at=_now(), step_id=f"{owner}:1",
+                                 outcome=Outcome.DONE, source=SettlementSource.CALL,
+                                 evidence={"pad": PAD}).model_dump(mode="json")
+            out.append(Poison("not-a-request", source.spec.name(settings.topic_prefix), key,
+                              _grown(json.dumps(forged).encode(), size),
+                              "holds task.requested only", source))
         if source.spec in (TASKS, JOURNAL):
             # Valid events put where their task's events are not: folded there, a task would
             # be acted on by an instance that does not own it, out of its events' order.

@@ -21,7 +21,8 @@ from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 from aiokafka.structs import ConsumerRecord
 
 from halfway import log
-from halfway.contract.topics import WEBHOOKS, TopicSpec
+from halfway.contract import TaskRequested
+from halfway.contract.topics import TASKS, WEBHOOKS, TopicSpec
 from halfway.journal.deadletters import DeadLetters, RawWriter
 from halfway.journal.limits import fetch_limits
 from halfway.journal.membership import labelled_range
@@ -107,10 +108,13 @@ class EventConsumer:
         # Every app label the group's members announced at the last rebalance (membership).
         self.group_apps: dict[str, int] = {}
         self._topics = [t.name(settings.topic_prefix) for t in topics]
-        # Each topic's own contract: task events everywhere but on the webhooks topic.
-        webhooks = WEBHOOKS.name(settings.topic_prefix)
+        # Each topic's own contract: task events everywhere but on the webhooks topic, and
+        # only requests on the tasks topic (callers write it: anything else is lettered).
+        webhooks, tasks = WEBHOOKS.name(settings.topic_prefix), TASKS.name(settings.topic_prefix)
         self._decoders: dict[str, Callable[[ConsumerRecord], Any]] = {
-            name: decode_webhook if name == webhooks else self._decode for name in self._topics}
+            name: decode_webhook if name == webhooks
+            else self._decode_request if name == tasks else self._decode
+            for name in self._topics}
         self._partition_counts: dict[str, int] = {}  # per topic; a topic's count never changes
         self._log = log.get("halfway.journal", group=group)
         self._prompt = _Prompt(settings, {t.name(settings.topic_prefix) for t in prompt},
@@ -289,6 +293,13 @@ class EventConsumer:
             if count:
                 self._partition_counts[record.topic] = count
         return decode(record, count or None)
+
+    def _decode_request(self, record: ConsumerRecord) -> TaskRequested:
+        """A record of the tasks topic: a `task.requested`, or invalid."""
+        event = self._decode(record)
+        if not isinstance(event, TaskRequested):
+            raise InvalidRecord(f"the tasks topic holds task.requested only, not {event.type}")
+        return event
 
     async def _accept(self, record: ConsumerRecord) -> Delivery | None:
         try:
