@@ -271,3 +271,24 @@ async def test_tasks_waiting_on_one_subject_are_woken_one_at_a_time(
     blocked = [e for e in core.journal.events
                if isinstance(e, StepRefused) and e.task_id in states and e.blocked is not None]
     assert len(blocked) <= 2 * len(tasks), len(blocked)
+
+
+async def test_a_task_requested_but_not_started_can_be_called_off_and_never_starts(
+        core: Cluster) -> None:
+    """Its decider down, a task waits on the tasks topic: an operator may call it off, and
+    it is rejected when a decider comes, never started."""
+    from halfway.contract import TaskRejected
+    from halfway.resolve import abort_task
+
+    task_id = new_id("early")
+    await core.publish(renewal_request(task_id, reask=False))
+    await abort_task(core.settings, task_id, reason="wrong customer", by="os:alice")
+    await core.start("worker")
+    rejected = await core.journal.first(
+        lambda e: isinstance(e, TaskRejected) and e.task_id == task_id, "the task rejected",
+        timeout_s=LONG_WAIT_S)
+    assert isinstance(rejected, TaskRejected)
+    assert rejected.reason == "called off before it started, by os:alice: wrong customer"
+    assert not [e for e in core.journal.events if e.task_id == task_id
+                and e.type in ("task.started", "step.intended")]
+    assert [c for c in await core.ledger() if c["metadata"].get("task_id") == task_id] == []

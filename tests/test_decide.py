@@ -85,6 +85,11 @@ def test_a_task_called_off_ends_failed_only_if_nothing_it_did_stands(s: Stamper)
     assert decide(fold(refused), known_tools=KNOWN, requested=False, now=s.now) == Finish(
         FinalState.FAILED, "aborted by operator: wrong customer")
 
+def test_a_task_called_off_before_it_started_is_rejected_never_started(s: Stamper) -> None:
+    move = decide(fold([s.requested(), s.aborted("wrong customer")]), known_tools=KNOWN,
+                  requested=True, now=s.now)
+    assert move == Reject("called off before it started, by operator: wrong customer")
+
 def test_a_rejection_names_at_most_a_few_unknown_tools_each_cut(s: Stamper) -> None:
     """A request listing thousands of long unknown names is rejected in a bounded reason (it
     is journaled for good): ten names at most, each cut."""

@@ -374,9 +374,10 @@ async def test_an_aborted_trip_settles_its_step_in_flight_then_undoes_what_was_d
     assert done["charges"] == done["emails"] == []
 
 
-async def test_the_client_calls_off_only_a_task_that_is_running(topics: KafkaSettings) -> None:
+async def test_the_client_calls_off_only_a_task_that_was_requested(
+        topics: KafkaSettings) -> None:
     async with HalfwayClient(topics) as client:
-        with pytest.raises(ResolveRefused, match="has not started"):
+        with pytest.raises(ResolveRefused, match="was never requested"):
             await client.abort_task(new_id("never-started"), "because")
 
 

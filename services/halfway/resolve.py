@@ -47,7 +47,7 @@ from halfway.contract import (
     parse_step_id,
 )
 from halfway.contract.ids import UNDO_KEYS_MAX, is_task_id, mint_undo_key, parse_undo_key
-from halfway.contract.topics import JOURNAL
+from halfway.contract.topics import JOURNAL, TASKS
 from halfway.core.fold import EffectState, Settlement, TaskState, apply
 from halfway.journal import JournalWriter
 from halfway.journal.records import describe, stamp
@@ -287,8 +287,10 @@ async def abort_task(settings: KafkaSettings, task_id: str, *, reason: str, by: 
     if not is_task_id(task_id):
         raise ResolveRefused(f"{task_id[:60]!r} is not a task id")
     state = await task_state(settings, task_id)
-    if state.started is None:
-        raise NotInJournal(f"task {task_id} has not started (nothing in the journal)")
+    if state.started is None and state.rejected is None and \
+            not await requested(settings, task_id):
+        raise NotInJournal(f"task {task_id} was never requested (nothing in the journal or on "
+                           "the tasks topic)")
     _not_over(state)
     event = _journalable(TaskAborted, **stamp(task_id), reason=reason, by=by)
     async with _writer(settings, writer) as journal:
@@ -299,8 +301,21 @@ async def abort_task(settings: KafkaSettings, task_id: str, *, reason: str, by: 
     return event
 
 
+async def requested(settings: KafkaSettings, task_id: str) -> bool:
+    """A request for `task_id` is on the tasks topic: a task not started yet (its decider is
+    down, or behind) may be called off too, and is then rejected, never started."""
+    async with contextlib.aclosing(read_topic(settings, TASKS,
+                                              only_key=task_id.encode())) as deliveries:
+        async for delivery in deliveries:
+            if delivery.event.task_id == task_id:
+                return True
+    return False
+
+
 def _not_over(state: TaskState) -> None:
-    """AlreadyDecided if the task is finished or called off."""
+    """AlreadyDecided if the task is finished, rejected or called off."""
+    if state.rejected is not None:
+        raise AlreadyDecided(f"task {state.task_id} was rejected: {state.rejected.reason}")
     if state.finished is not None:
         raise AlreadyDecided(f"task {state.task_id} already finished {state.finished.state}")
     if state.aborted is not None:

@@ -289,8 +289,9 @@ PATHS: dict[str, Any] = {
         "requestBody": _body("AbortTask"),
         "responses": {
             "202": _accepted("TaskAbortedAnswer", "`task.aborted` is in the journal."),
-            **_write_errors(not_found="The task has not started (nothing in the journal).",
-                            conflict="The task is finished, or called off already."),
+            **_write_errors(not_found="The task was never requested (nothing in the journal "
+                                      "or on the tasks topic).",
+                            conflict="The task is finished, rejected, or called off already."),
         },
         "security": [{"bearer": ["operate"]}],
     }},

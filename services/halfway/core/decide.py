@@ -191,6 +191,9 @@ def decide(state: TaskState, *, known_tools: set[str], requested: bool, now: dat
         if not requested:
             return Idle()
         assert state.request is not None
+        if state.aborted is not None:  # called off while it waited to start: it never does
+            return Reject(f"called off before it started, by {state.aborted.by}: "
+                          f"{state.aborted.reason}")
         unknown = sorted(set(state.request.allowed_tools) - known_tools)
         if unknown:
             return Reject(_unknown_tools(unknown))
