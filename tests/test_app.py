@@ -169,6 +169,49 @@ async def test_a_timeout_is_unknown() -> None:
     assert classify(result).outcome is Outcome.UNKNOWN
 
 
+async def test_a_call_whose_code_runs_on_past_its_timeout_ends_only_with_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain function's thread runs on past the timeout (nothing stops it), and so does a
+    tool that would not stop: either may still send. The call is a timeout, but only once
+    that code has ended: settled sooner, a lookup could "prove" not done before the late
+    request landed."""
+    import contextlib
+    import threading
+
+    from halfway.app import runaway
+
+    monkeypatch.setattr(runaway, "CANCEL_GRACE_S", 0.01)
+    release, ended = threading.Event(), []
+    app = App(name="slow")
+
+    @app.tool(effect="keyed", key_ttl_s=3600, timeout_s=0.05)
+    def prepare_then_send(n: int) -> dict:
+        """Slow to prepare its request."""
+        release.wait(5)
+        ended.append("thread")
+        return {"sent": n}
+
+    @app.tool(effect="keyed", key_ttl_s=3600, timeout_s=0.05)
+    async def stubborn(n: int) -> dict:
+        """Would not stop."""
+        while not release.is_set():
+            with contextlib.suppress(BaseException):
+                await asyncio.sleep(0.01)
+        ended.append("task")
+        return {"sent": n}
+
+    for name, what in (("prepare_then_send", "thread"), ("stubborn", "task")):
+        release.clear()
+        tool = app.registry().get(name)
+        assert tool is not None
+        call = asyncio.ensure_future(tool.adapter.call(
+            parse_args(tool.spec.args_model, {"n": 1}), ctx(timeout_s=0.05)))
+        await asyncio.wait({call}, timeout=0.3)  # its timeout long past: still running
+        assert not call.done(), name
+        release.set()
+        assert await call == TimedOut(0.05)
+        assert ended[-1] == what  # returned only once its code had ended
+
 async def test_any_other_exception_is_unknown() -> None:
     async def body(_ctx):
         raise KeyError("id")

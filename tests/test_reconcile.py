@@ -196,9 +196,10 @@ def test_nothing_found_proves_not_done_only_past_a_declared_completion_bound(s: 
     sent = effect.attempts[0].started_at
     bounded = StepPolicy(EffectClass.KEYED, timeout_s=5, key_ttl_s=3600, completes_within_s=30)
     assert isinstance(on_nothing_found(effect, bounded, sent + timedelta(seconds=10)), datetime)
-    # The bound counts the send window too: an attempt may leave up to that long after it was
-    # journaled (a paused executor does not send later than that).
-    window = bounded.send_window_s
+    # The bound counts the send window and the tool's timeout too: an attempt may leave up to
+    # that long after it was journaled (a paused executor does not send later than the window,
+    # and a tool's code may send at any point before its timeout).
+    window = bounded.send_window_s + bounded.timeout_s
     assert isinstance(on_nothing_found(effect, bounded, sent + timedelta(seconds=29 + window)),
                       datetime)
     proof = on_nothing_found(effect, bounded, sent + timedelta(seconds=31 + window))
@@ -210,6 +211,24 @@ def test_nothing_found_proves_not_done_only_past_a_declared_completion_bound(s: 
     assert on_nothing_found(effect, unbounded, sent + timedelta(days=1)) is None  # window over
 
 
+def test_nothing_found_proves_nothing_before_the_provider_finished_a_late_call(
+        s: Stamper) -> None:
+    """A call whose code ran on past its timeout (an app's thread, a tool that would not stop)
+    may send its request until it ends, and it is settled unknown only then: an outside probe
+    saw a charge land after an empty lookup had "proven" it not done. The bound counts from
+    the latest unknown settlement too."""
+    log = [s.started(), s.intended(1), s.attempted(1, 1)]
+    sent = log[-1].started_at
+    late = s.settled(1, Outcome.UNKNOWN, attempt=1).model_copy(
+        update={"at": sent + timedelta(seconds=600)})  # the thread ended 10 minutes on
+    effect = fold([*log, late]).step(1).effect
+    bounded = StepPolicy(EffectClass.KEYED, timeout_s=1, key_ttl_s=3600, completes_within_s=2)
+    assert not isinstance(on_nothing_found(effect, bounded, sent + timedelta(seconds=601)),
+                          SettleNotDone)
+    assert isinstance(on_nothing_found(effect, bounded, sent + timedelta(seconds=603)),
+                      SettleNotDone)
+
+
 def test_lookups_go_on_until_the_moment_nothing_found_proves_not_done(s: Stamper) -> None:
     """With a declared bound, no check is scheduled past the moment an empty lookup proves
     not_done, and the checks do not stop before it while it lies within the lookup window
@@ -219,7 +238,7 @@ def test_lookups_go_on_until_the_moment_nothing_found_proves_not_done(s: Stamper
     sent = effect.attempts[0].started_at
     policy = StepPolicy(EffectClass.KEYED, timeout_s=5, key_ttl_s=3600, completes_within_s=30,
                         lookup_window_s=40, check_delays_s=(30.0,))
-    proves_at = sent + timedelta(seconds=30 + policy.send_window_s)
+    proves_at = sent + timedelta(seconds=30 + policy.send_window_s + policy.timeout_s)
     assert plan_check(effect, policy, sent + timedelta(seconds=15)) is None  # 45 s: past 40
     assert on_nothing_found(effect, policy, sent + timedelta(seconds=15)) == proves_at
     assert on_lookup_failed(effect, policy, sent + timedelta(seconds=15)) == proves_at
@@ -241,7 +260,7 @@ def test_nothing_found_for_an_effect_that_must_happen_sends_it_again(s: Stamper)
                 ).step(1).undo
     sent = undo.attempts[0].started_at
     bounded = StepPolicy(EffectClass.KEYED, timeout_s=5, key_ttl_s=3600, completes_within_s=30)
-    past = sent + timedelta(seconds=31 + bounded.send_window_s)
+    past = sent + timedelta(seconds=31 + bounded.send_window_s + bounded.timeout_s)
     assert on_nothing_found(undo, bounded, past, must_happen=True) == past
     check = s.undo_checked(1).model_copy(update={"at": past, "next_check_at": past})
     checked = replace(undo, last_check=check, checks=1)

@@ -268,9 +268,14 @@ def _cut(text: str, room: int) -> str:
 class FunctionAdapter:
     """Calls the tool's function (and its lookup) with the step's arguments and context."""
 
+    # A call returns only once the function's code has ended, however long past its timeout
+    # (`runaway`): the executor puts no deadline of its own around it.
+    waits_for_its_code = True
+
     def __init__(self, fn: Callable[..., Any], fields: tuple[str, ...], *,
                  takes_ctx: bool) -> None:
         self.fn = fn
+        self.name = getattr(fn, "__name__", "tool")
         self.fields = fields
         self.takes_ctx = takes_ctx
         self.lookup_fn: Callable[..., Any] | None = None
@@ -278,14 +283,17 @@ class FunctionAdapter:
 
     async def call(self, args: BaseModel, ctx: CallContext) -> CallResult:
         deadline = asyncio.timeout(ctx.timeout_s)
+        watch = runaway.Watch()
         try:
             async with deadline:
-                value = await self._invoke(self.fn, args, ctx, self.takes_ctx)
+                value = await self._invoke(self.fn, args, ctx, self.takes_ctx, watch)
         except asyncio.CancelledError:
             raise  # the harness cancels calls (shutdown): not an outcome of the tool
         except BaseException as exc:  # our timeout included: failure_of says TimedOut
             # SystemExit and KeyboardInterrupt too: a tool never stops the process.
             if deadline.expired():
+                # Over only once its code has ended: until then it may still send.
+                await runaway.until_ended(watch, self.name)
                 return TimedOut(ctx.timeout_s)
             failure = failure_of(exc, ctx.timeout_s)
             if self.lookup_fn is not None and not isinstance(exc, Refused):
@@ -296,6 +304,7 @@ class FunctionAdapter:
         if deadline.expired():
             # The tool swallowed our cancellation and answered anyway: what it says on its way
             # out (a value, a refusal) is no proof, and the request may be out.
+            await runaway.until_ended(watch, self.name)
             return TimedOut(ctx.timeout_s)
         return Succeeded(evidence=evidence_of(value))
 
@@ -305,7 +314,9 @@ class FunctionAdapter:
         deadline = asyncio.timeout(ctx.timeout_s)
         try:
             async with deadline:
-                value = await self._invoke(self.lookup_fn, args, ctx, self.lookup_takes_ctx)
+                # A lookup has no effect: one running on is not waited for.
+                value = await self._invoke(self.lookup_fn, args, ctx, self.lookup_takes_ctx,
+                                           runaway.Watch())
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
@@ -330,17 +341,19 @@ class FunctionAdapter:
         return Found(evidence=evidence_of(value))
 
     async def _invoke(self, fn: Callable[..., Any], args: BaseModel, ctx: CallContext,
-                      takes_ctx: bool) -> Any:
+                      takes_ctx: bool, watch: runaway.Watch) -> Any:
         kwargs = {name: getattr(args, name) for name in self.fields}
         if takes_ctx:
             kwargs["ctx"] = ctx
         if inspect.iscoroutinefunction(fn):
-            # In a task of its own: one that swallows our cancellation is left running
-            # (`runaway`), and the call ends as timed out all the same.
-            return await runaway.bounded(fn(**kwargs), getattr(fn, "__name__", "tool"))
+            # In a task of its own: our timeout stops waiting for it at once, and `watch`
+            # says when its code has ended (`runaway`).
+            return await runaway.in_task(fn(**kwargs), watch)
         # A plain function runs on a worker thread, so it never blocks the event loop; past
-        # the timeout the thread runs on, and the outcome is unknown.
-        returned, value = await asyncio.to_thread(runaway.in_thread, _caught, fn, kwargs)
+        # the timeout the thread runs on (nothing stops it), and `watch` says when it ends.
+        thread = asyncio.get_running_loop().run_in_executor(
+            None, runaway.in_thread, watch, _caught, fn, kwargs)
+        returned, value = await asyncio.shield(thread)  # never cancelled: it runs all the same
         if not returned:
             raise value  # raised here, it reaches `call`'s handler whatever it is
         return value

@@ -1,49 +1,60 @@
-"""Tool calls that will not stop, left to run on their own.
+"""Tool calls that outlive their timeout: waited for, never abandoned as settled.
 
-A tool's timeout cancels it. One that swallows the cancellation (`except BaseException`, a
-`while True` that catches everything) would hold its step "in flight" for ever, and an
-executor slot, and a process that stops would wait for it at its loop's close; a plain
-function runs on a worker thread, which nothing can stop. So a tool runs in a task of its
-own (`bounded`): cancelled, it is cancelled in turn and given CANCEL_GRACE_S to stop; one that
-will not is left running, and the call goes on as timed out (its step unknown, settled by its
-lookup). A process that stops with such calls left (`left`) exits without waiting for them
-(`halfway.eventloop.run`).
+A tool's timeout cancels it. An app's async function that swallows the cancellation (`except
+BaseException`, a loop that catches everything) runs on, and a plain function's thread cannot
+be stopped at all: either may still send its request, long after the timeout. Settled unknown
+then, its step could be "proven" not done by a lookup that found nothing before the late
+request landed (an outside probe charged twice that way). So a call's code is watched
+(`Watch`): after its timeout, the call is over only once its code has ended (`until_ended`);
+until then its step stays in flight, which is the truth. One that has not stopped
+CANCEL_GRACE_S after its cancellation is logged and counted (`left`), and a process that stops
+with such calls exits without waiting for them (`halfway.eventloop.run`), as after kill -9.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
 from typing import Any
 
 from halfway import log
 
-CANCEL_GRACE_S = 1.0  # a cancelled tool's time to return before it is left running
-KEPT_MAX = 1_000  # runaway tasks referenced here (more still run; they are only counted)
+CANCEL_GRACE_S = 1.0  # a cancelled tool's time to end before it is said to run on
+KEPT_MAX = 10_000  # tool tasks referenced at once (more run, uncounted: an executor has 1,000)
 
-_tasks: set[asyncio.Future[Any]] = set()
+_tasks: set[asyncio.Future[Any]] = set()  # app tools' tasks now running
 _threads = 0  # plain functions running on worker threads now
 _threads_lock = threading.Lock()
 
 
-async def bounded(coro: Coroutine[Any, Any, Any], name: str) -> Any:
-    """Await `coro` in a task of its own. Cancelled (our timeout, a shutdown), the task is
-    cancelled too; if it has not stopped CANCEL_GRACE_S later, it is left running and the
-    cancellation goes on here all the same."""
+@dataclass(eq=False, slots=True)
+class Watch:
+    """One call's code: `ended` is set once it has ended (its task, or its thread)."""
+
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
+
+    def end(self) -> None:
+        """From the code's thread or task: it has ended."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            self.loop.call_soon_threadsafe(self.ended.set)
+
+
+async def in_task(coro: Coroutine[Any, Any, Any], watch: Watch) -> Any:
+    """Await `coro` in a task of its own, so that a cancellation reaches it while the caller
+    stops waiting at once; `watch` says when it has ended."""
     task = asyncio.ensure_future(_boxed(coro))
+    task.add_done_callback(lambda _: watch.ended.set())
+    if len(_tasks) < KEPT_MAX:
+        _tasks.add(task)
+        task.add_done_callback(_tasks.discard)
     try:
         returned, value = await asyncio.shield(task)
     except asyncio.CancelledError:
-        task.cancel()
-        try:
-            await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
-        finally:
-            if task.done():
-                if not task.cancelled():
-                    task.result()  # boxed, never raises: what it said on its way out is no proof
-            else:
-                _leave(task, name)
+        task.cancel()  # our timeout, or a shutdown: a tool that cooperates stops here
         raise
     if not returned:
         raise value  # here, in the caller's frames: what the tool raised, whatever it is
@@ -61,17 +72,9 @@ async def _boxed(coro: Coroutine[Any, Any, Any]) -> tuple[bool, Any]:
         return False, exc
 
 
-def _leave(task: asyncio.Future[Any], name: str) -> None:
-    if len(_tasks) < KEPT_MAX:
-        _tasks.add(task)
-        task.add_done_callback(_tasks.discard)
-    log.get("halfway.tools").error(
-        "a tool call would not stop when cancelled: it is left running, and its step is "
-        "settled as timed out", tool=name[:200], left=len(_tasks))
-
-
-def in_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run `fn(*args)` counted as a thread call in progress (`left`): call it on the thread."""
+def in_thread(watch: Watch, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run `fn(*args)` on this worker thread, counted while it runs (`left`); `watch` is told
+    when it has ended, however long after its caller stopped waiting."""
     global _threads
     with _threads_lock:
         _threads += 1
@@ -80,8 +83,26 @@ def in_thread(fn: Callable[..., Any], *args: Any) -> Any:
     finally:
         with _threads_lock:
             _threads -= 1
+        watch.end()
+
+
+async def until_ended(watch: Watch, name: str) -> None:
+    """Return once the call's code has ended. One still running CANCEL_GRACE_S on is logged
+    (it holds its step in flight, and an executor slot) and counted until it ends."""
+    if watch.ended.is_set():
+        return
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(CANCEL_GRACE_S):
+            await watch.ended.wait()
+            return
+    log.get("halfway.tools").error(
+        "a tool call runs on past its timeout (it would not stop when cancelled, or runs on a "
+        "thread): its step stays in flight until it ends, as it may still send",
+        tool=name[:200], running=left())
+    await watch.ended.wait()
 
 
 def left() -> int:
-    """Tool calls still running that nobody waits for (or on threads, which nothing stops)."""
-    return sum(not t.done() for t in _tasks) + _threads
+    """App tool calls running now (tasks and threads): what a stopping process would wait
+    for, for ever if one will not end."""
+    return len(_tasks) + _threads

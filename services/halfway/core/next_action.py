@@ -231,9 +231,9 @@ def on_nothing_found(effect: EffectState, policy: StepPolicy, now: datetime, *,
         last_sent = max(a.started_at for a in effect.attempts)
         return SettleNotDone(
             f"nothing found {(now - last_sent).total_seconds():.0f} s after the last "
-            f"attempt, and every attempt leaves within {policy.send_window_s:g} s of "
-            f"being journaled and the provider finishes every request within "
-            f"{policy.completes_within_s:g} s")
+            f"attempt, and every attempt leaves within {_leaves_within_s(policy):g} s of "
+            f"being journaled (or before its call ended) and the provider finishes every "
+            f"request within {policy.completes_within_s:g} s")
     return _next_check(effect, policy, now, proves_at)
 
 
@@ -245,11 +245,24 @@ def on_lookup_failed(effect: EffectState, policy: StepPolicy, now: datetime) -> 
 
 
 def _proof_at(effect: EffectState, policy: StepPolicy) -> datetime | None:
-    """From when an empty lookup proves `not_done` (the tool declares `completes_within_s`)."""
+    """From when an empty lookup proves `not_done` (the tool declares `completes_within_s`):
+    the provider has finished every request, each sent by `_leaves_within_s` after its attempt
+    was journaled or, for a call whose code ran on past its timeout (an app's thread, a tool
+    that would not stop: it may send until it ends), by its unknown settlement, which is
+    written only once that code has ended."""
     if policy.completes_within_s is None or not effect.attempts:
         return None
     last_sent = max(a.started_at for a in effect.attempts)
-    return last_sent + timedelta(seconds=policy.send_window_s + policy.completes_within_s)
+    sent_by = max([last_sent + timedelta(seconds=_leaves_within_s(policy)),
+                   *(u.at for u in effect.unknowns)])
+    return sent_by + timedelta(seconds=policy.completes_within_s)
+
+
+def _leaves_within_s(policy: StepPolicy) -> float:
+    """An attempt is sent within the send window of its journaling, or not at all; a tool's
+    code may send its request at any point before its timeout (an app's function prepares it
+    first), after which it is cancelled."""
+    return policy.send_window_s + policy.timeout_s
 
 
 def _next_check(effect: EffectState, policy: StepPolicy, now: datetime,

@@ -297,14 +297,20 @@ class Executor(StepWorker):
                     return None
                 ctx = CallContext(effect.step_id, effect.key, n, spec.timeout_s)
                 started = time.perf_counter()
-                guard = asyncio.timeout(spec.timeout_s + TIMEOUT_GRACE_S)
-                try:
-                    async with guard:
-                        result = await tool.adapter.call(args, ctx)
-                except TimeoutError:
-                    result = TimedOut(spec.timeout_s)
-                if guard.expired():  # it swallowed our cancellation: its answer is no proof
-                    result = TimedOut(spec.timeout_s)
+                if getattr(tool.adapter, "waits_for_its_code", False):
+                    # An app's function: its own timeout, then it waits for the code to end
+                    # (`halfway.app.runaway`): a deadline here would settle it while it may
+                    # still send.
+                    result = await tool.adapter.call(args, ctx)
+                else:
+                    guard = asyncio.timeout(spec.timeout_s + TIMEOUT_GRACE_S)
+                    try:
+                        async with guard:
+                            result = await tool.adapter.call(args, ctx)
+                    except TimeoutError:
+                        result = TimedOut(spec.timeout_s)
+                    if guard.expired():  # it swallowed our cancellation: no proof
+                        result = TimedOut(spec.timeout_s)
                 metrics.TOOL_CALLS.labels(tool=spec.name, result=type(result).__name__).observe(
                     time.perf_counter() - started)
                 self._log.info("attempt answered", attempt=n, result=type(result).__name__)

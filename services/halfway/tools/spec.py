@@ -24,7 +24,9 @@ The rules a tool author must know, in one place:
   much later (the subject guard, `halfway.core.guard`). Every tool with a subject is guarded
   while a step on it is in flight or unknown.
 - **completes_within_s**: declare it only if the provider finishes every request within that
-  bound; then a lookup that finds nothing after it proves `not_done`. Leave it None when the
+  bound; then a lookup that finds nothing after it (counted from when the last request may
+  have left: the send window and the tool's timeout past its attempt, or its call's end)
+  proves `not_done`. Leave it None when the
   provider's search can lag (Stripe's can, by minutes): nothing found then proves nothing.
 - **evidence_id**: the evidence field that names the effect at the provider (`charge_id`).
   Two `done` reports naming different effects under one key are a contradiction (the effect
