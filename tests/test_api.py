@@ -824,4 +824,12 @@ def test_status_of_a_called_off_saga_shows_its_undo_being_checked() -> None:
     assert "no reply within 5 s; next check" in text
     assert "(in 30s)" in text
     step["compensation"] |= {"needs_attention": True, "next_check_at": None}
-    assert "an operator must undo it" in status_table(task, now=now)
+    escalated = status_table(task, now=now)
+    assert "step 1 undo: unknown; no reply within 5 s; no further check is planned: an " \
+        "operator must say whether it happened (halfway resolve trip-1:1:undo done|not_done)" \
+        in escalated
+    assert "being checked" not in escalated
+    task["not_accepted"] = [{"type": "compensation.settled", "step_id": "trip-1:1",
+                             "tool": None, "reason": "the first verdict stands"}]
+    assert "not accepted: compensation.settled trip-1:1: the first verdict stands" in \
+        status_table(task, now=now)

@@ -39,7 +39,8 @@ def test_the_first_claim_in_the_log_holds_the_subject_and_the_model_reads_why() 
     first, second = claim("renewal-8812:3"), claim("renewal-9000:1")
     assert book.apply(first) == Granted()
     assert book.apply(second) == Blocked(
-        "blocked: renewal-8812:3 on invoice:INV-2291 is still unknown (not settled yet); "
+        "blocked: renewal-8812:3 on invoice:INV-2291 is not settled yet (intended, in flight or "
+        "unknown); "
         "charge_customer waits until it is", holder="renewal-8812:3")
     assert book.apply(first) == Granted()  # the same record, read again
     # Another claim of the holder's own step is not the same claim: one step, one live claim.

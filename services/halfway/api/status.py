@@ -169,8 +169,9 @@ def status_table(task: Mapping[str, Any], now: datetime | None = None) -> str:
         details.append(f"model: {task['model_questions']} question(s), "
                        f"{task.get('tokens_in', 0)} tokens in, {task.get('tokens_out', 0)} out")
     for refused in task.get("not_accepted") or []:
-        details.append(f"not accepted: {refused.get('type')} {refused.get('step_id')} "
-                       f"({refused.get('tool')}): {refused.get('reason')}")
+        tool = f" ({refused['tool']})" if refused.get("tool") else ""  # a settlement names none
+        details.append(f"not accepted: {refused.get('type')} {refused.get('step_id')}{tool}: "
+                       f"{refused.get('reason')}")
     head += ["  " + one_line(d) for d in details]  # each one line, whatever the data holds
     steps = task.get("steps") or []
     if not steps:
@@ -201,9 +202,13 @@ def _undo_words(undo: Mapping[str, Any], now: datetime | None) -> str:
     state = STEP_WORDS.get(undo["status"], undo["status"])
     if undo["status"] == "done":
         return f"{state}; evidence {evidence_text(undo.get('evidence'))}"
-    words = f"{state}; {undo['reason']}" if undo.get("reason") else state
     if undo.get("needs_attention"):
-        return f"{words}; no further check is planned: an operator must undo it"
+        # Nobody checks it any more: not "being checked", and the operator's move is named.
+        state = "unknown" if undo["status"] == "unknown" else state
+        words = f"{state}; {undo['reason']}" if undo.get("reason") else state
+        return (f"{words}; no further check is planned: an operator must say whether it "
+                f"happened (halfway resolve {undo['key']} done|not_done) or undo it by hand")
+    words = f"{state}; {undo['reason']}" if undo.get("reason") else state
     if undo["status"] == "unknown":
         return f"{words}; next check {next_check(undo.get('next_check_at'), now)}"
     return words

@@ -112,8 +112,8 @@ class GuardBook:
                            f"still holds it; it is withdrawn before the step claims again",
                            holder=holder.step_id, own=True)
         if holder is not None:
-            return Blocked(f"blocked: {holder.step_id} on {claim.subject} is still unknown "
-                           f"(not settled yet); {claim.tool} waits until it is",
+            return Blocked(f"blocked: {holder.step_id} on {claim.subject} is not settled yet "
+                           f"(intended, in flight or unknown); {claim.tool} waits until it is",
                            holder=holder.step_id)
         if claim.once_per_subject and done is not None and done != claim.step_id:
             return Blocked(f"blocked: {done} already did {claim.tool} on "

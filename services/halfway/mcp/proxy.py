@@ -31,7 +31,7 @@ Theory of operation
   read "unknown ... do not start another" until the first settles, then its truth. Only a
   first call proven not done lets the retry run. Once the agent has read how a call ended, a
   call on its subject is a new one. Across sessions the decider's subject guard answers
-  (`blocked: ... still unknown`), and once-per-subject tools refuse a second effect for good.
+  (`blocked: ... not settled yet`), and once-per-subject tools refuse a second effect for good.
 - **Ending a session finishes its task** (stdio: the connection closes; HTTP: the session's
   DELETE, or `session_idle_s` without a call), once every step of it settled. Tasks of
   sessions this process does not know (it restarted) are finished after the same idle time.
