@@ -32,9 +32,7 @@ from halfway.settings import KafkaSettings
 from tests.factories import EPOCH, Stamper
 from tests.test_projector import (  # noqa: F401  (the projector tests' fixtures)
     journal,
-    pg,
     projecting,
-    schema,
     task_alive,
     until,
     until_applied,

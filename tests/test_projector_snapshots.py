@@ -32,9 +32,7 @@ from tests.test_projector import (  # noqa: F401  (the projector tests' fixtures
     assert_equals_replay,
     histories,
     journal,
-    pg,
     projecting,
-    schema,
     task_alive,
     until,
     write_all,
@@ -104,7 +102,7 @@ def journal_with_a_tail() -> Journal:
 
 
 async def snapshotted(journal: KafkaSettings, pg: asyncpg.Connection,  # noqa: F811
-                      schema: str, events: list[Event], partition: int) -> int:  # noqa: F811
+                      schema: str, events: list[Event], partition: int) -> int:
     """Project `events` (appended now) with a first projector, until it committed a snapshot
     of the partition at its end; that offset."""
     async with JournalWriter(journal) as writer:
@@ -123,7 +121,7 @@ async def snapshotted(journal: KafkaSettings, pg: asyncpg.Connection,  # noqa: F
 
 
 async def assert_rows_of_a_replay_from_zero(journal: KafkaSettings,  # noqa: F811
-                                            pg: asyncpg.Connection, schema: str,  # noqa: F811
+                                            pg: asyncpg.Connection, schema: str,
                                             late: int) -> None:
     """The schema's rows are those a projector without snapshots writes into an empty read
     model (its own schema and group), which passes `late` events of sealed tasks; and those
@@ -149,7 +147,7 @@ async def assert_rows_of_a_replay_from_zero(journal: KafkaSettings,  # noqa: F81
 
 
 async def restart(journal: KafkaSettings, pg: asyncpg.Connection,  # noqa: F811
-                  schema: str, tail: list[Event], partition: int) -> Projector:  # noqa: F811
+                  schema: str, tail: list[Event], partition: int) -> Projector:
     """Append `tail`, then run a second projector (same group) until it stored the end."""
     async with JournalWriter(journal) as writer:
         await append(writer, tail, partition)
@@ -160,7 +158,7 @@ async def restart(journal: KafkaSettings, pg: asyncpg.Connection,  # noqa: F811
 
 
 async def assert_restart_replays_from_zero(journal: KafkaSettings,  # noqa: F811
-                                           pg: asyncpg.Connection, schema: str,  # noqa: F811
+                                           pg: asyncpg.Connection, schema: str,
                                            j: Journal) -> None:
     """A restart after `j.tail` uses no snapshot: it folds the whole journal, and writes the
     rows of a replay from zero."""

@@ -11,13 +11,12 @@ from halfway.api.status import status_table
 from halfway.demo import renewal, trip
 from halfway.projector.rebuild import rebuild
 from halfway.settings import KafkaSettings
-from tests.test_projector import pg, schema  # noqa: F401  (the projector tests' fixtures)
 
 pytestmark = pytest.mark.broker
 
 
 async def test_after_the_demos_the_read_model_equals_a_fresh_replay(
-        own_deployment: KafkaSettings, pg, schema: str,  # noqa: F811
+        own_deployment: KafkaSettings, pg, schema: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
     # The demo runs its own projector into the read model named by HALFWAY_PG_SCHEMA.
     monkeypatch.setenv("HALFWAY_PG_SCHEMA", schema)

@@ -9,13 +9,12 @@ import pytest
 
 from halfway.demo import renewal, trip
 from halfway.settings import KafkaSettings
-from tests.test_projector import pg, schema  # noqa: F401  (the projector tests' fixtures)
 
 pytestmark = pytest.mark.broker
 
 
 async def test_the_renewal_through_the_stripe_client(
-        own_deployment: KafkaSettings, pg, schema: str,  # noqa: F811
+        own_deployment: KafkaSettings, pg, schema: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HALFWAY_PG_SCHEMA", schema)
     ours, naive = await renewal.run(own_deployment, stripe=True)
@@ -26,7 +25,7 @@ async def test_the_renewal_through_the_stripe_client(
 
 
 async def test_the_trip_with_its_email_over_smtp(
-        own_deployment: KafkaSettings, pg, schema: str,  # noqa: F811
+        own_deployment: KafkaSettings, pg, schema: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HALFWAY_PG_SCHEMA", schema)
     trips = await trip.run(own_deployment, email="smtp")
