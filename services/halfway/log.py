@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
+from collections import Counter
 from contextvars import ContextVar, Token
 from typing import Any
 
@@ -69,6 +71,26 @@ def get(name: str | None = None, **bound: Any) -> structlog.typing.FilteringBoun
         configure()
     logger = structlog.get_logger(name) if name else structlog.get_logger()
     return logger.bind(**bound) if bound else logger
+
+
+class Throttled:
+    """Warnings at most one per `interval_s` per key, each saying how many of that key went
+    unlogged since (`unlogged_since`): a flood of bad requests writes a line an interval, not
+    one per request. The keys are a few names of the caller's (kinds of refusal)."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._logged_s: dict[str, float] = {}  # monotonic
+        self._unlogged: Counter[str] = Counter()
+
+    def warning(self, logger: Any, key: str, event: str, **fields: Any) -> None:
+        now_s = time.monotonic()
+        last_s = self._logged_s.get(key)
+        if last_s is not None and now_s - last_s < self.interval_s:
+            self._unlogged[key] += 1
+            return
+        self._logged_s[key] = now_s
+        logger.warning(event, unlogged_since=self._unlogged.pop(key, 0), **fields)
 
 
 # The ids bound by `bound`, as one mapping (never changed in place: each block sets a new one).

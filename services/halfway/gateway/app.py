@@ -63,7 +63,7 @@ import re
 import signal
 import sys
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -265,26 +265,11 @@ class Gateway:
 # since: a flood of bad requests (300 connections holding every slot) wrote a line per request,
 # 53 MB of log in 2.5 minutes. The /metrics counters count every answer.
 REFUSAL_LOG_INTERVAL_S = 10.0
+_REFUSALS = log.Throttled(REFUSAL_LOG_INTERVAL_S)
 
 
-class _RefusalLog:
-    """'webhook refused' lines, throttled per kind (the kinds are a few names of ours)."""
-
-    def __init__(self) -> None:
-        self._logged_s: dict[str, float] = {}
-        self._unlogged: Counter[str] = Counter()
-
-    def say(self, logger: Any, why: str, **fields: Any) -> None:
-        now_s = time.monotonic()
-        if now_s - self._logged_s.get(why, -REFUSAL_LOG_INTERVAL_S) < REFUSAL_LOG_INTERVAL_S:
-            self._unlogged[why] += 1
-            return
-        self._logged_s[why] = now_s
-        logger.warning("webhook refused", why=why, unlogged_since=self._unlogged.pop(why, 0),
-                       **fields)
-
-
-_REFUSALS = _RefusalLog()
+def _log_refusal(logger: Any, why: str, **fields: Any) -> None:
+    _REFUSALS.warning(logger, why, "webhook refused", why=why, **fields)
 
 
 GATEWAY = web.AppKey("gateway", Gateway)
@@ -347,13 +332,13 @@ def _refused_by_headers(gateway: Gateway, provider: Provider, request: web.Reque
     before it takes a slot: a client trickling such a body holds nothing."""
     length = request.content_length
     if length is not None and length > BODY_BYTES_MAX:
-        _REFUSALS.say(logger, "too_large", content_length=length)
+        _log_refusal(logger, "too_large", content_length=length)
         return _refuse(413, f"the body is larger than {BODY_BYTES_MAX} bytes "
                             f"(Content-Length: {length})")
     refusal = _header_verdict(provider, request.headers, time.time(), gateway.tolerance_s)
     if refusal is None:
         return None
-    _REFUSALS.say(logger, refusal.kind, reason=refusal.reason, body_read=False)
+    _log_refusal(logger, refusal.kind, reason=refusal.reason, body_read=False)
     return _refuse(400, refusal.reason)
 
 
@@ -464,7 +449,7 @@ async def receive(request: web.Request) -> web.Response:
     if refused is not None:
         return _answered(name, refused)
     if gateway.serving >= REQUESTS_AT_ONCE_MAX:
-        _REFUSALS.say(logger, "busy", serving=gateway.serving)
+        _log_refusal(logger, "busy", serving=gateway.serving)
         busy = _refuse(503, f"{REQUESTS_AT_ONCE_MAX} webhooks are being received; retry")
         busy.headers["Retry-After"] = str(BUSY_RETRY_AFTER_S)
         return _answered(name, busy)
@@ -490,17 +475,17 @@ async def _read_body(request: web.Request, deadline_s: float, logger: FilteringB
         async with asyncio.timeout(deadline_s):
             return await request.read()
     except TimeoutError:
-        _REFUSALS.say(logger, "slow_body", deadline_s=deadline_s)
+        _log_refusal(logger, "slow_body", deadline_s=deadline_s)
         late = _refuse(408, f"the body did not arrive within {deadline_s:g} s")
         late.force_close()  # no further request on this connection
         return late
     except web.HTTPRequestEntityTooLarge:
         return _refuse(413, f"the body is larger than {BODY_BYTES_MAX} bytes")
     except (HttpProcessingError, web.RequestPayloadError) as exc:  # a garbled chunked body
-        _REFUSALS.say(logger, "unreadable_body", reason=_cut(str(exc)))
+        _log_refusal(logger, "unreadable_body", reason=_cut(str(exc)))
         return _refuse(400, f"the body could not be read: {exc}")
     except ConnectionError:  # the client left; no one reads the answer
-        _REFUSALS.say(logger, "disconnected")
+        _log_refusal(logger, "disconnected")
         return _refuse(400, "the connection closed before the body arrived")
 
 
@@ -513,11 +498,11 @@ async def _receive(gateway: Gateway, request: web.Request, name: str, provider: 
     try:
         verified = delivery.verify(provider, body, request.headers, now_s, gateway.tolerance_s)
     except SignatureError as exc:
-        _REFUSALS.say(logger, exc.kind, reason=exc.reason)
+        _log_refusal(logger, exc.kind, reason=exc.reason)
         return _refuse(400, exc.reason)
     seen = (name, verified.replay_key)
     if gateway.signatures.has(seen, now_s):
-        _REFUSALS.say(logger, "replayed")
+        _log_refusal(logger, "replayed")
         return _refuse(409, "replayed: this signed request was already accepted; a provider "
                        "signs every delivery afresh")
     try:
@@ -525,7 +510,7 @@ async def _receive(gateway: Gateway, request: web.Request, name: str, provider: 
         record = _record(gateway.settings, received)
         _check_bounds(provider, received)
     except _Malformed as exc:
-        _REFUSALS.say(logger, "malformed", status=exc.status,
+        _log_refusal(logger, "malformed", status=exc.status,
                        reason=exc.reason[:ERROR_CHARS_MAX])
         return _refuse(exc.status, exc.reason)
     # Reserved now, before any await, so a concurrent replay of this request is a 409 too. A

@@ -15,8 +15,9 @@ bounds around aiohttp, not in place of its HTTP:
   so a genuine webhook gets in during such an attack. Only when every connection is inside
   a request is the new one closed instead.
 
-Closed connections are counted and logged at most once every CLOSED_LOG_INTERVAL_S, with the
-counts since the line before: a flood writes a line a minute, not one per connection.
+Closed connections are counted and logged at most once every CLOSED_LOG_INTERVAL_S
+(`log.Throttled`), with the totals and the closings unlogged since the line before: a flood
+writes a line a minute, not one per connection.
 
 aiohttp tells its `Server` of each connection's start and end (`connection_made`,
 `connection_lost`): `watch` wraps those two on the server the runner made. Which connections
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import resource
-import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -83,8 +83,7 @@ class Connections:
         self._stopped = False
         self.late = 0  # closed: no request's headers within headers_read_s (since the start)
         self.shed = 0  # closed at the cap (the idlest, or a new one when none is idle)
-        self._unlogged = {"late": 0, "shed": 0}
-        self._logged_s = -CLOSED_LOG_INTERVAL_S  # monotonic: the first closing is logged
+        self._closings = log.Throttled(CLOSED_LOG_INTERVAL_S)
         self._log = log.get("halfway.gateway")
 
     @property
@@ -189,12 +188,9 @@ class Connections:
             self.late += 1
         else:
             self.shed += 1
-        self._unlogged[why] += 1
-        now_s = time.monotonic()
-        if now_s - self._logged_s >= CLOSED_LOG_INTERVAL_S:
-            self._logged_s = now_s
-            self._log.warning("connections closed", without_headers=self._unlogged["late"],
-                              at_the_cap=self._unlogged["shed"],
-                              headers_read_s=self.headers_read_s,
-                              connections_max=self.connections_max, open=self.open)
-            self._unlogged = {"late": 0, "shed": 0}
+        # One line a CLOSED_LOG_INTERVAL_S at most: the totals so far, and how many closings
+        # went unlogged since the line before.
+        self._closings.warning(self._log, "closed", "connections closed", why=why,
+                               late=self.late, shed=self.shed,
+                               headers_read_s=self.headers_read_s,
+                               connections_max=self.connections_max, open=self.open)
